@@ -1,0 +1,33 @@
+"""vllm-hotfix: runtime fixes for vLLM's KV-transfer races, applied without a rebuild.
+
+This module must stay stdlib-only and cheap: the ``sitecustomize`` shim imports it in
+every Python process that has our directory on ``PYTHONPATH``. Everything heavy (wrapt,
+structlog, the fix specs) is imported by :func:`activate`, i.e. only in processes that
+import vLLM.
+"""
+from __future__ import annotations
+
+import _thread  # not `threading`: its import alone costs ~8 ms in every Python process
+
+__version__ = "0.1.0"
+
+_lock = _thread.allocate_lock()
+#: which entry point activated this process first ("sitecustomize", "vllm_plugin", ...).
+activated_by = None
+
+
+def activate(source: str) -> bool:
+    """Register the fixes' import hooks once per process; True if this call did it.
+
+    Idempotent: the sitecustomize trigger and the vLLM plugin entry point both call it,
+    and a forked child inherits the parent's activation (and its patches).
+    """
+    global activated_by
+    with _lock:
+        if activated_by is not None:
+            return False
+        activated_by = source
+    from hotfix import registry
+
+    registry.install_hooks(source)
+    return True

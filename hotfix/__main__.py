@@ -1,0 +1,5 @@
+import sys
+
+from hotfix.cli import main
+
+sys.exit(main())

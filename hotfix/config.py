@@ -1,0 +1,93 @@
+"""``HOTFIX_*`` settings, read when a hook fires (Ray delivers env vars after start-up).
+
+Never ``VLLM_*`` names: vLLM warns about unknown ones and can refuse to start. A bad value
+gets one ERROR line naming the variable, the value, what is accepted and the default used
+instead; under ``HOTFIX_STRICT=1`` it raises :class:`ConfigError`.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+MODES = ("on", "off", "force")
+LOG_FORMATS = ("console", "json")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+_reported = set()
+_reported_lock = threading.Lock()
+
+
+class ConfigError(ValueError):
+    """An invalid ``HOTFIX_*`` value under ``HOTFIX_STRICT=1``."""
+
+
+def _flag(var: str) -> "tuple[bool, bool]":
+    """(value, valid) of a boolean variable; unset means False."""
+    value = os.environ.get(var, "").strip().lower()
+    if value in _TRUE:
+        return True, True
+    if value in _FALSE:
+        return False, True
+    return False, False
+
+
+def strict() -> bool:
+    """``HOTFIX_STRICT=1``: problems raise instead of being logged (CI, canaries)."""
+    value, valid = _flag("HOTFIX_STRICT")
+    if not valid:
+        _invalid("HOTFIX_STRICT", _TRUE + ("0", "false", "no", "off"), "0 (log, don't raise)")
+    return value
+
+
+def problem(message: str, exc: "BaseException | None" = None) -> None:
+    """Raise under ``HOTFIX_STRICT``; the caller has already logged the problem."""
+    if strict():
+        raise ConfigError(message) from exc
+
+
+def fix_mode(var: str, default: str = "on") -> str:
+    """``on`` | ``off`` | ``force`` for a fix's toggle variable."""
+    raw = os.environ.get(var)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in MODES:
+        return value
+    _invalid(var, MODES, default)
+    return default
+
+
+def log_format() -> str:
+    value = os.environ.get("HOTFIX_LOG_FORMAT", "").strip().lower()
+    if value == "":
+        return "console"
+    if value in LOG_FORMATS:
+        return value
+    _invalid("HOTFIX_LOG_FORMAT", LOG_FORMATS, "console")
+    return "console"
+
+
+def status_dir() -> str:
+    import tempfile
+
+    return os.environ.get("HOTFIX_STATUS_DIR") or os.path.join(tempfile.gettempdir(), "vllm-hotfix")
+
+
+def _invalid(var: str, accepted, default: str) -> None:
+    raw = os.environ.get(var)
+    key = (var, raw)
+    with _reported_lock:
+        first = key not in _reported
+        _reported.add(key)
+    message = (
+        f"{var}={raw!r} is invalid: accepted values are {', '.join(repr(a) for a in accepted)};"
+        f" using the default {default}"
+    )
+    if first:
+        from hotfix import log
+
+        log.error("hotfix.config.invalid", variable=var, value=raw, accepted=list(accepted),
+                  default=default, reason=message)
+    if var != "HOTFIX_STRICT" and strict():
+        raise ConfigError(message)

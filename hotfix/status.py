@@ -1,0 +1,94 @@
+"""Per-process runtime status: what was applied, and counters of what the fixes saw.
+
+Counters are plain in-process integers (cheap on the hot path); the JSON file
+``$HOTFIX_STATUS_DIR/<pid>.json`` is rewritten when a decision changes and at most every
+:data:`FLUSH_INTERVAL_S` when only counters moved, so an operator can read what every
+EngineCore and worker did without attaching to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import Counter
+
+FLUSH_INTERVAL_S = 10.0
+
+_counters: Counter = Counter()
+_lock = threading.Lock()
+_last_flush = 0.0
+
+
+def count(fix: str, kind: str, n: int = 1) -> None:
+    """Count one event of ``kind`` for ``fix`` (e.g. ``xfer-guard``, ``unexpected_recv``)."""
+    global _last_flush
+    with _lock:
+        _counters[(fix, kind)] += n
+        due = time.monotonic() - _last_flush >= FLUSH_INTERVAL_S
+    if due:
+        from hotfix import registry
+
+        act = registry.activation()
+        if act is not None:
+            write(act)
+
+
+def counters() -> dict:
+    """``{fix: {kind: n}}`` of this process."""
+    with _lock:
+        out: dict = {}
+        for (fix, kind), n in _counters.items():
+            out.setdefault(fix, {})[kind] = n
+        return out
+
+
+def snapshot(act) -> dict:
+    from hotfix import __version__, log, registry
+
+    return {
+        "pid": os.getpid(),
+        "role": log.role(),
+        "activated_by": act.source,
+        "hotfix_version": __version__,
+        "vllm_version": registry.vllm_version(),
+        "fixes": act.snapshot(),
+        "counters": counters(),
+        "written_at": time.time(),
+    }
+
+
+def write(act) -> None:
+    """Write this process's status file; best effort (a read-only /tmp must not matter)."""
+    global _last_flush
+    from hotfix import config
+
+    directory = config.status_dir()
+    try:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{os.getpid()}.json")
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(snapshot(act), fh, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    with _lock:
+        _last_flush = time.monotonic()
+
+
+def read_all(directory: str) -> list:
+    """Every status file in ``directory`` (for ``python -m hotfix status --runtime``)."""
+    out = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return out
+    for name in names:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name), encoding="utf-8") as fh:
+                    out.append(json.load(fh))
+            except (OSError, ValueError):
+                continue
+    return out

@@ -1,0 +1,81 @@
+"""Shared helpers: a copy of the package with fixture fixes, and subprocess runners."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+FAKE_VLLM = FIXTURES / "fakevllm"
+
+
+def clean_env(**extra) -> dict:
+    """The parent's environment without anything that would inject or configure us."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("HOTFIX_") and k not in ("PYTHONPATH", "VLLM_PLUGINS")}
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
+
+
+def install_home(dest: Path, fixes=("demo_guard",), vllm_root: Path = FAKE_VLLM,
+                 entry_wrapper: str = "mark_entry", shim: bool = True) -> Path:
+    """A PYTHONPATH directory like a bundle: shim + hotfix/ + fixture fixes.
+
+    Fixture fingerprints are computed from ``vllm_root`` so the fixture fix matches it.
+    """
+    from hotfix import fingerprint
+
+    dest.mkdir(parents=True, exist_ok=True)
+    if shim:
+        shutil.copy2(REPO / "sitecustomize.py", dest / "sitecustomize.py")
+    shutil.copytree(REPO / "hotfix", dest / "hotfix", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
+    sched = vllm_root / "vllm" / "v1" / "core" / "sched" / "scheduler.py"
+    conn = str(FAKE_VLLM / "vllm" / "distributed" / "connector.py")
+    values = {
+        "@SCHEDULER@": fingerprint.of_file(str(sched), "Scheduler._update_from_kv_xfer_finished"),
+        "@SHIM@": fingerprint.of_file(conn, "Connector.get_finished"),
+        "@ENTRY@": fingerprint.of_file(conn, "Connector.get_transfer_results"),
+        "@ENTRY_WRAPPER@": entry_wrapper,
+    }
+    for name in fixes:
+        text = (FIXTURES / "fixes" / f"{name}.py").read_text()
+        for key, value in values.items():
+            text = text.replace(key, str(value))
+        (dest / "hotfix" / "fixes" / f"{name}.py").write_text(text)
+    return dest
+
+
+NEUTRAL_CWD = tempfile.mkdtemp(prefix="hotfix-cwd-")  # `python -c` puts the cwd on sys.path
+
+
+def run_py(code: str, *, path=(), env=None, flags=(), timeout=120, cwd=NEUTRAL_CWD) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with exactly ``path`` on PYTHONPATH."""
+    env = dict(env or clean_env())
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
+    return subprocess.run([sys.executable, *flags, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+def last_json(proc: subprocess.CompletedProcess):
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def home(tmp_path):
+    return install_home(tmp_path / "home")
+
+
+@pytest.fixture
+def status_env(tmp_path):
+    return clean_env(HOTFIX_STATUS_DIR=str(tmp_path / "status"))
