@@ -27,13 +27,15 @@ def _home() -> str:
 
 
 def _sitecustomizes() -> list:
+    """Every sitecustomize on sys.path, in import order, each file once."""
     found = []
     for entry in sys.path:
         base = os.path.abspath(entry or ".")
         for candidate in (os.path.join(base, "sitecustomize.py"),
                           os.path.join(base, "sitecustomize", "__init__.py")):
             if os.path.isfile(candidate):
-                found.append(candidate)
+                if candidate not in found:
+                    found.append(candidate)
                 break
     return found
 

@@ -48,13 +48,18 @@ def problem(message: str, exc: "BaseException | None" = None) -> None:
 
 def fix_mode(var: str, default: str = "on") -> str:
     """``on`` | ``off`` | ``force`` for a fix's toggle variable."""
+    return choice(var, MODES, default)
+
+
+def choice(var: str, accepted, default: str) -> str:
+    """One of ``accepted`` (case-insensitive); unset or empty means ``default``."""
     raw = os.environ.get(var)
     if raw is None or raw.strip() == "":
         return default
     value = raw.strip().lower()
-    if value in MODES:
+    if value in accepted:
         return value
-    _invalid(var, MODES, default)
+    _invalid(var, accepted, default)
     return default
 
 

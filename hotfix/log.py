@@ -22,6 +22,7 @@ _lock = threading.Lock()
 _limit_lock = threading.Lock()
 _last_emitted = {}
 _suppressed = {}
+_once_seen = set()
 
 
 def role() -> str:
@@ -124,6 +125,16 @@ def limited(key, level: str, event: str, **fields) -> None:
     if dropped:
         fields["suppressed"] = dropped
     emit(level, event, **fields)
+
+
+def once(key, level: str, event: str, **fields) -> bool:
+    """:func:`emit` the first time ``key`` is seen in this process; True if it did."""
+    with _limit_lock:
+        if key in _once_seen:
+            return False
+        _once_seen.add(key)
+    emit(level, event, **fields)
+    return True
 
 
 def debug(event: str, **fields) -> None:

@@ -35,7 +35,7 @@ class Target:
 
     module: str
     qualname: str  # "Class.method"; methods on classes only (subclasses inherit the wrap)
-    wrapper: str  # name of the wrapt-style wrapper function in the fix's module
+    wrapper: str  # wrapt-style wrapper function in the fix's module; "" = shape check only
     role: str  # where it runs: "engine_core" or "worker"
     shapes: Mapping[str, Shape]  # fingerprint -> shape
     may_be_absent: bool = False  # e.g. a method that only newer releases have
@@ -100,7 +100,7 @@ class FixDecision:
 
     def to_wrap(self) -> List[Target]:
         wanted = (WRAP, "unknown") if self.reason == "forced" else (WRAP,)
-        return [t.target for t in self.targets if t.action in wanted]
+        return [t.target for t in self.targets if t.action in wanted and t.target.wrapper]
 
 
 def _decide_target(target: Target) -> TargetDecision:
@@ -260,6 +260,17 @@ class Activation:
             fix.handles.pop(key, None)
         fix.state, fix.reason = REVERTED, reason
         return undone
+
+    def apply_now(self) -> "Activation":
+        """Import every target module and apply (tests, or a REPL on a live process)."""
+        for name in self.modules():
+            self.on_import(name, importlib.import_module(name))
+        return self
+
+    def revert_all(self, reason: str = "reverted on request") -> None:
+        with self.lock:
+            for fix in self.fixes.values():
+                self._revert(fix, reason)
 
     def snapshot(self) -> dict:
         with self.lock:

@@ -27,9 +27,11 @@ def clean_env(**extra) -> dict:
 
 def install_home(dest: Path, fixes=("demo_guard",), vllm_root: Path = FAKE_VLLM,
                  entry_wrapper: str = "mark_entry", shim: bool = True) -> Path:
-    """A PYTHONPATH directory like a bundle: shim + hotfix/ + fixture fixes.
+    """A PYTHONPATH directory like a bundle: shim + hotfix/ + fixes.
 
-    Fixture fingerprints are computed from ``vllm_root`` so the fixture fix matches it.
+    With fixture ``fixes`` the package carries only those (the framework is tested alone);
+    with ``fixes=()`` it carries the real fixes, as a bundle does. Fixture fingerprints
+    are computed from ``vllm_root`` so the fixture fix matches it.
     """
     from hotfix import fingerprint
 
@@ -38,6 +40,9 @@ def install_home(dest: Path, fixes=("demo_guard",), vllm_root: Path = FAKE_VLLM,
         shutil.copy2(REPO / "sitecustomize.py", dest / "sitecustomize.py")
     shutil.copytree(REPO / "hotfix", dest / "hotfix", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
+    if fixes:
+        for real in (dest / "hotfix" / "fixes").glob("[!_]*.py"):
+            real.unlink()
     sched = vllm_root / "vllm" / "v1" / "core" / "sched" / "scheduler.py"
     conn = str(FAKE_VLLM / "vllm" / "distributed" / "connector.py")
     values = {

@@ -19,9 +19,13 @@ PROBE = textwrap.dedent("""
     import hotfix
     from hotfix import _deps
     image_wrapt = sys.modules.get("wrapt")
+    chain, fn = [], vars(Scheduler)["_update_from_kv_xfer_finished"]
+    while hasattr(fn, "_self_hotfix_fix"):
+        chain.append(fn._self_hotfix_fix)
+        fn = fn.__wrapped__
     print(json.dumps({
         "activated_by": hotfix.activated_by,
-        "wrapped_by": getattr(vars(Scheduler)["_update_from_kv_xfer_finished"], "_self_hotfix_fix", None),
+        "wrapped_by": "real-probe" if "real-probe" in chain else chain,
         "wrapt": _deps.origin("wrapt"),
         "structlog": _deps.origin("structlog"),
         "image_wrapt": getattr(image_wrapt, "__version__", None),

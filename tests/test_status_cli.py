@@ -113,19 +113,25 @@ def test_invalid_toggle_under_strict_exits_2(home):
 
 # --- on the real installed vLLM --------------------------------------------------------
 
+STATUS_AND_IMPORTS = textwrap.dedent("""
+    import io, json, sys, contextlib
+    from hotfix.cli import main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["status", "--json"])
+    print(json.dumps([rc, json.loads(buf.getvalue()),
+                      sorted(m for m in ("vllm", "torch") if m in sys.modules)]))
+""")
+
+
+def status_and_imports(home):
+    """(exit code, JSON report, which of vllm/torch the status command imported)."""
+    return json.loads(run_py(STATUS_AND_IMPORTS, path=[home]).stdout.strip().splitlines()[-1])
+
+
 def test_real_vllm_status_matches_stock_shape_without_importing_vllm_or_torch(tmp_path):
     home = install_home(tmp_path / "home", fixes=("real_probe",))
-    code = textwrap.dedent("""
-        import io, json, sys, contextlib
-        from hotfix.cli import main
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            rc = main(["status", "--json"])
-        print(json.dumps([rc, json.loads(buf.getvalue()),
-                          sorted(m for m in ("vllm", "torch") if m in sys.modules)]))
-    """)
-    proc = run_py(code, path=[home])
-    rc, report, imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    rc, report, imported = status_and_imports(home)
     assert imported == []
     assert rc == 0 and report["vllm"]["version"]
     (target,) = report["fixes"][0]["targets"]
@@ -148,3 +154,12 @@ def test_real_vllm_file_with_one_statement_changed_is_named_with_both_fingerprin
     proc = run_py("import sys; from hotfix.cli import main; sys.exit(main(['status']))", path=[home, shadow])
     assert "Scheduler._update_from_kv_xfer_finished" in proc.stdout
     assert target["found"] in proc.stdout and all(fp in proc.stdout for fp in target["known"])
+
+
+def test_real_fixes_report_apply_on_the_installed_vllm_without_importing_it(tmp_path):
+    home = install_home(tmp_path / "home", fixes=())
+    rc, report, imported = status_and_imports(home)
+    assert imported == []
+    assert rc == 0, report["problems"]
+    decisions = {f["fix"]: (f["apply"], f["reason"]) for f in report["fixes"]}
+    assert decisions == {"recv-barrier": (True, "known_shape"), "xfer-guard": (True, "known_shape")}

@@ -1,0 +1,46 @@
+"""Shared bits of the benchmarks: timing loops and applying a fix to the real vLLM classes."""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import tracemalloc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def per_call_us(fn, calls: int = 2000, repeats: int = 7) -> float:
+    """Median over ``repeats`` of the mean per-call time in microseconds."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def applied(fix_id: str):
+    """Apply one fix to the real vLLM classes (as in production); returns the activation."""
+    from hotfix import registry
+
+    modules = [m for m in registry.fix_modules() if m.SPEC.id == fix_id]
+    act = registry.Activation("benchmark", modules).apply_now()
+    state = act.snapshot()[fix_id]
+    if state["state"] != registry.APPLIED:
+        raise SystemExit(f"{fix_id} did not apply here: {state}")
+    return act
+
+
+def retained_bytes(build, churn) -> tuple:
+    """(bytes held by a fresh structure, bytes held after ``churn`` ran through it)."""
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    state = build()
+    empty = tracemalloc.get_traced_memory()[0] - base
+    churn(state)
+    after = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return state, empty, after

@@ -1,0 +1,129 @@
+"""recv-barrier in the scheduler world: each race is red on stock (asserted), green fixed."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.worlds import scenarios
+from tests.worlds.tracker import COMPUTE_WHILE_LOADING, WRITE_INTO_FREED
+from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock, verdicts
+
+FIX = "recv-barrier"
+IN_REQUESTS = "assert req_id in self.requests"
+IS_FINISHED = "assert RequestStatus.is_finished(req.status)"
+
+
+def assert_clean(result):
+    assert result.crash is None, result.crash.traceback
+    assert result.violations == []
+
+
+def nixl_done_at(result, req_id="R") -> int:
+    """Last tick at which a NIXL worker reported ``req_id``."""
+    return max(s.step for s in result.steps for (child, _), (_, recv) in s.worker_reports.items()
+               if child == "nixl" and req_id in recv)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_bug_report_ordering_promotes_only_after_nixl_and_never_asserts(async_scheduling):
+    scenario = replace(scenarios.LATE_REPORT_AFTER_FREE, async_scheduling=async_scheduling)
+    stock = run_stock(scenario)
+    assert stock.crash.source_line == IN_REQUESTS
+    assert stock.tracker.of_kind(WRITE_INTO_FREED)
+
+    fixed, states = run_fixed(scenario, FIX)
+    assert states[FIX]["state"] == "applied"
+    assert_clean(fixed)
+    (delivered,) = delivered_at(fixed, "R")  # once, and not before NIXL's own report
+    assert delivered >= nixl_done_at(fixed) and fixed.first_computed("R") > delivered
+    assert finished(fixed, "R") == (finished(fixed, "R")[0], "length")
+    assert type(fixed.world.scheduler).__name__ == ("AsyncScheduler" if async_scheduling else "Scheduler")
+
+
+def test_late_report_while_running_cannot_happen_because_promotion_waits():
+    stock = run_stock(scenarios.LATE_REPORT_WHILE_RUNNING)
+    assert stock.crash.source_line == IS_FINISHED
+
+    fixed, _ = run_fixed(scenarios.LATE_REPORT_WHILE_RUNNING, FIX)
+    assert_clean(fixed)
+    assert delivered_at(fixed, "R") == [4]
+
+
+def test_early_promotion_over_unwritten_blocks_is_prevented_on_both_ranks():
+    stock = run_stock(scenarios.EARLY_PROMOTION)
+    assert stock.crash is None and stock.tracker.of_kind(COMPUTE_WHILE_LOADING)
+
+    fixed, _ = run_fixed(scenarios.EARLY_PROMOTION, FIX)
+    assert_clean(fixed)
+    assert fixed.first_computed("R") is None  # still waiting for NIXL at the end (tick 4)
+    assert {t.who for t in fixed.tracker.active_transfers if t.req_id == "R"} == {"nixl@rank0", "nixl@rank1"}
+
+
+def test_reverse_ordering_nixl_first_waits_for_the_stray_lmcache_load():
+    scenario = scenarios.NIXL_FIRST_LMCACHE_LATER
+    stock = run_stock(scenario)
+    assert stock.crash.source_line == IN_REQUESTS and stock.tracker.of_kind(COMPUTE_WHILE_LOADING)
+
+    fixed, _ = run_fixed(scenario, FIX)
+    assert_clean(fixed)
+    assert delivered_at(fixed, "R") == [6] and fixed.first_computed("R") == 7
+
+
+def test_both_loaders_in_the_same_step_are_forwarded_once():
+    fixed, _ = run_fixed(scenarios.SAME_STEP_REPORTS, FIX)
+    assert_clean(fixed)
+    assert delivered_at(fixed, "R") == [3] == delivered_at(run_stock(scenarios.SAME_STEP_REPORTS), "R")
+
+
+def test_reports_spread_over_ranks_and_steps_reach_the_aggregator_once_per_rank():
+    stock = run_stock(scenarios.TP_MIXED_REPORTS)
+    assert delivered_at(stock, "R") == [1, 6] and stock.crash.source_line == IN_REQUESTS
+
+    fixed, _ = run_fixed(scenarios.TP_MIXED_REPORTS, FIX)
+    assert_clean(fixed)
+    assert delivered_at(fixed, "R") == [6]
+    # what each rank's MultiConnector handed to KVOutputAggregator: R exactly once per rank
+    forwarded = [rank for s in fixed.steps for rank in range(2) if "R" in s.forwarded.get(rank, ())]
+    assert sorted(forwarded) == [0, 1]
+
+
+def test_stray_report_after_promotion_is_absorbed_and_counted():
+    from hotfix import status
+
+    before = status.counters().get(FIX, {}).get("stray_report", 0)
+    stock = run_stock(scenarios.STRAY_AFTER_PROMOTION)
+    assert stock.crash is not None
+
+    fixed, _ = run_fixed(scenarios.STRAY_AFTER_PROMOTION, FIX)
+    assert_clean(fixed)
+    assert delivered_at(fixed, "R") == [3]
+    assert status.counters()[FIX]["stray_report"] == before + 1
+
+
+def test_abort_while_both_load_frees_once_after_both_are_done():
+    stock = run_stock(scenarios.ABORT_WHILE_BOTH_LOAD)
+    assert stock.crash.source_line == IN_REQUESTS and stock.tracker.of_kind(WRITE_INTO_FREED)
+
+    fixed, _ = run_fixed(scenarios.ABORT_WHILE_BOTH_LOAD, FIX)
+    assert_clean(fixed)
+    assert delivered_at(fixed, "R") == [5]
+
+
+def test_nixl_keeps_heartbeating_while_it_still_pulls():
+    """D5: NIXL's scheduler side is never told R finished before its own pull did."""
+    stock = run_stock(scenarios.SIBLING_REPORT_ONLY)
+    assert stock.world.child("nixl").heartbeat_stops == [(1, "R")]
+
+    fixed, _ = run_fixed(scenarios.SIBLING_REPORT_ONLY, FIX)
+    nixl = fixed.world.child("nixl")
+    assert nixl.heartbeat_stops == [] and "R" in nixl.heartbeating()
+    assert all("R" not in g.finished_recving for g in nixl.given_outputs)
+
+
+def test_toggled_off_behaves_exactly_like_stock(monkeypatch):
+    monkeypatch.setenv("HOTFIX_RECV_BARRIER", "off")
+    for scenario in (scenarios.LATE_REPORT_AFTER_FREE, scenarios.EARLY_PROMOTION):
+        fixed, states = run_fixed(scenario, FIX)
+        assert states[FIX] == {"state": "skipped", "reason": "disabled", "wrapped": []}
+        assert verdicts(fixed) == verdicts(run_stock(scenario))

@@ -1,0 +1,186 @@
+"""The races of vllm-targets.md §0.2 as data, shared by the stock tests and
+the fix tests: `SCENARIO.run()` builds a fresh World each time, so the same
+scenario runs on stock vLLM or with the hotfix applied in-process, and
+`dataclasses.replace(SCENARIO, tp=2, async_scheduling=True)` varies it.
+"""
+
+from dataclasses import dataclass
+
+from tests.worlds.scheduler_world import (
+    Child,
+    RunResult,
+    World,
+    buggy_lmcache_mp,
+    cache_loader,
+    nixl_pull,
+)
+from tests.worlds.timeline import Abort, Arrive, Event, LoadDone, Preempt, SaveDone, StrayReport
+
+
+@dataclass(frozen=True)
+class Scenario:
+    children: tuple[Child, ...]
+    timeline: tuple[Event, ...]
+    tp: int = 1
+    async_scheduling: bool = False
+    until: int | None = None
+    grace: int = 64
+
+    def run(self) -> RunResult:
+        world = World(self.children, tp=self.tp, async_scheduling=self.async_scheduling)
+        return world.run(self.timeline, until=self.until, grace=self.grace)
+
+
+# The bug report's decode node: NIXL first, then an LMCache MP that loads
+# even when it is not chosen.
+BUG_REPORT = (nixl_pull(), buggy_lmcache_mp())
+# lmcache >= 0.5.5 (no double load) holding an async save.
+NIXL_AND_SAVING_CACHE = (nixl_pull(), cache_loader(async_save=True))
+
+# Other traffic keeps the engine stepping, as in production.
+BYSTANDER = Arrive(0, "B", max_tokens=16)
+# With a saving cache, B's own save finishes as soon as it starts.
+BYSTANDER_SAVED = SaveDone(0, "B", "lmc")
+# NIXL pulls R's whole prompt from P; the decode-side LMCache holds a
+# 48-token prefix from an earlier turn.
+REMOTE_R = Arrive(0, "R", remote_prefill=True, hits={"lmc": 48}, max_tokens=2)
+LONG_REMOTE_R = Arrive(0, "R", remote_prefill=True, hits={"lmc": 48}, max_tokens=16)
+
+# LMCache's load promotes R, R finishes and is freed; NIXL reports at 8.
+LATE_REPORT_AFTER_FREE = Scenario(
+    BUG_REPORT, (BYSTANDER, REMOTE_R, LoadDone(1, "R", "lmc"), LoadDone(8, "R", "nixl"))
+)
+
+# R, promoted by LMCache's load, is still decoding when NIXL reports at 4.
+LATE_REPORT_WHILE_RUNNING = Scenario(
+    BUG_REPORT, (LONG_REMOTE_R, LoadDone(1, "R", "lmc"), LoadDone(4, "R", "nixl"))
+)
+
+# D1 before any crash: R promoted at 2 while NIXL still pulls on both ranks;
+# S, same prompt, arrives at 3 and takes R's blocks from the prefix cache.
+EARLY_PROMOTION = Scenario(
+    BUG_REPORT,
+    (
+        LONG_REMOTE_R,
+        LoadDone(1, "R", "lmc"),
+        Arrive(3, "S", same_prompt_as="R", max_tokens=4),
+    ),
+    tp=2,
+    until=4,
+)
+
+# KVOutputAggregator counts two mixed reports (LMCache rank 0, NIXL rank 1)
+# as "all ranks done"; the other two make a second report at 6.
+TP_MIXED_REPORTS = Scenario(
+    BUG_REPORT,
+    (
+        BYSTANDER,
+        REMOTE_R,
+        LoadDone(1, "R", "lmc", rank=0),
+        LoadDone(1, "R", "nixl", rank=1),
+        LoadDone(6, "R", "nixl", rank=0),
+        LoadDone(6, "R", "lmc", rank=1),
+    ),
+    tp=2,
+)
+
+# D4: R aborted at 1 while WAITING_FOR_REMOTE_KVS; LMCache's save finishes
+# first (2), NIXL's pull later (4).
+ABORT_SAVE_FIRST = Scenario(
+    NIXL_AND_SAVING_CACHE,
+    (
+        BYSTANDER,
+        BYSTANDER_SAVED,
+        Arrive(0, "R", remote_prefill=True),
+        Abort(1, "R"),
+        SaveDone(2, "R", "lmc"),
+        LoadDone(4, "R", "nixl"),
+    ),
+)
+
+# D4 the other way round: NIXL first (2), the save later (4).
+ABORT_NIXL_FIRST = Scenario(
+    NIXL_AND_SAVING_CACHE,
+    (
+        BYSTANDER,
+        BYSTANDER_SAVED,
+        Arrive(0, "R", remote_prefill=True),
+        Abort(1, "R"),
+        LoadDone(2, "R", "nixl"),
+        SaveDone(4, "R", "lmc"),
+    ),
+)
+
+# D5: only LMCache has reported R (at 1); NIXL's pull is still running.
+SIBLING_REPORT_ONLY = Scenario(BUG_REPORT, (LONG_REMOTE_R, LoadDone(1, "R", "lmc")), until=1)
+
+# Pitfall 13: the early-promoted R is preempted at 3 during NIXL's pull.
+PREEMPT_EARLY_PROMOTED = Scenario(
+    BUG_REPORT, (BYSTANDER, LONG_REMOTE_R, LoadDone(1, "R", "lmc"), Preempt(3, "R")), until=3
+)
+
+# Controls that stock vLLM survives.
+SINGLE_LOADER = Scenario(
+    BUG_REPORT,
+    (BYSTANDER, Arrive(0, "R", remote_prefill=True, max_tokens=2), LoadDone(3, "R", "nixl")),
+)
+SAME_STEP_REPORTS = Scenario(
+    BUG_REPORT,
+    (BYSTANDER, REMOTE_R, LoadDone(3, "R", "lmc"), LoadDone(3, "R", "nixl")),
+    tp=2,
+)
+
+# A save hold nobody releases: the end-of-run pool check must catch it.
+SAVE_NEVER_REPORTS = Scenario(NIXL_AND_SAVING_CACHE, (Arrive(0, "R", max_tokens=2),), grace=8)
+
+
+# The bug report's pair the other way round: NIXL's pull finishes first (2) while the
+# stray LMCache load still writes; LMCache reports at 6.
+NIXL_FIRST_LMCACHE_LATER = Scenario(
+    BUG_REPORT, (BYSTANDER, REMOTE_R, LoadDone(2, "R", "nixl"), LoadDone(6, "R", "lmc"))
+)
+
+# The client goes away while both loads run; LMCache's report comes at 2, NIXL's at 5.
+ABORT_WHILE_BOTH_LOAD = Scenario(
+    BUG_REPORT,
+    (BYSTANDER, REMOTE_R, Abort(1, "R"), LoadDone(2, "R", "lmc"), LoadDone(5, "R", "nixl")),
+)
+
+# After both loads are done and R is promoted, LMCache reports R once more (6).
+STRAY_AFTER_PROMOTION = Scenario(
+    BUG_REPORT,
+    (BYSTANDER, LONG_REMOTE_R, LoadDone(1, "R", "lmc"), LoadDone(3, "R", "nixl"),
+     StrayReport(6, "R", "lmc")),
+)
+
+# D4, both completions in the same step; B's save completes too so the pool is whole.
+ABORT_SAME_STEP = Scenario(
+    NIXL_AND_SAVING_CACHE,
+    (BYSTANDER, Arrive(0, "R", remote_prefill=True), Abort(1, "R"),
+     LoadDone(3, "R", "nixl"), SaveDone(3, "R", "lmc"), SaveDone(2, "B", "lmc")),
+)
+
+# The D4 pair with the bystander's own save completing, so a fixed run must end whole.
+ABORT_SAVE_FIRST_ALL_SAVED = Scenario(
+    NIXL_AND_SAVING_CACHE, ABORT_SAVE_FIRST.timeline + (SaveDone(3, "B", "lmc"),)
+)
+ABORT_NIXL_FIRST_ALL_SAVED = Scenario(
+    NIXL_AND_SAVING_CACHE, ABORT_NIXL_FIRST.timeline + (SaveDone(3, "B", "lmc"),)
+)
+
+# A connector reports a send for a request that is still decoding (case 7) ...
+SEND_FOR_LIVE_REQUEST = Scenario(
+    (nixl_pull(), cache_loader()),
+    (BYSTANDER, Arrive(0, "R", max_tokens=12), StrayReport(4, "R", "lmc", kind="send")),
+)
+# ... and one for a request that is long gone (case 6).
+SEND_FOR_FREED_REQUEST = Scenario(
+    (nixl_pull(), cache_loader()),
+    (Arrive(0, "B", max_tokens=24), Arrive(0, "R", max_tokens=2),
+     StrayReport(10, "R", "lmc", kind="send")),
+)
+# A duplicate load report for a request that already finished and was freed (case 3).
+RECV_FOR_FREED_REQUEST = Scenario(
+    (nixl_pull(), cache_loader()),
+    (Arrive(0, "B", max_tokens=24), Arrive(0, "R", max_tokens=2), StrayReport(10, "R", "nixl")),
+)
