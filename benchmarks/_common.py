@@ -22,15 +22,15 @@ def per_call_us(fn, calls: int = 2000, repeats: int = 7) -> float:
     return statistics.median(samples)
 
 
-def applied(fix_id: str):
-    """Apply one fix to the real vLLM classes (as in production); returns the activation."""
+def applied(*fix_ids: str):
+    """Apply fixes to the real vLLM classes (as in production); returns the activation."""
     from hotfix import registry
 
-    modules = [m for m in registry.fix_modules() if m.SPEC.id == fix_id]
+    modules = [m for m in registry.fix_modules() if m.SPEC.id in fix_ids]
     act = registry.Activation("benchmark", modules).apply_now()
-    state = act.snapshot()[fix_id]
-    if state["state"] != registry.APPLIED:
-        raise SystemExit(f"{fix_id} did not apply here: {state}")
+    for fix_id, state in act.snapshot().items():
+        if state["state"] != registry.APPLIED:
+            raise SystemExit(f"{fix_id} did not apply here: {state}")
     return act
 
 

@@ -318,12 +318,14 @@ def _wrap(fix: _FixState, target: Target, module, expected: Optional[str]) -> tu
         raise LookupError(f"{target.key}: live code {live} differs from the file's {expected}")
     wrapper_function = getattr(fix.module, target.wrapper)
 
-    class HotfixWrapper(wrapt.FunctionWrapper):
-        def __init__(self, wrapped, wrapper, fix_id):
-            super().__init__(wrapped, wrapper)
-            self._self_hotfix_fix = fix_id
+    def tagged_wrapper(wrapped, wrapper, fix_id):
+        # A plain FunctionWrapper (a Python subclass would double the per-call cost);
+        # `_self_` attributes live on the proxy itself.
+        function_wrapper = wrapt.FunctionWrapper(wrapped, wrapper)
+        function_wrapper._self_hotfix_fix = fix_id
+        return function_wrapper
 
-    wrapper = wrapt.wrap_object(owner, attr, HotfixWrapper, (wrapper_function, fix.spec.id))
+    wrapper = wrapt.wrap_object(owner, attr, tagged_wrapper, (wrapper_function, fix.spec.id))
     return (owner, attr, wrapper)
 
 

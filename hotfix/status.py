@@ -22,7 +22,6 @@ _last_flush = 0.0
 
 def count(fix: str, kind: str, n: int = 1) -> None:
     """Count one event of ``kind`` for ``fix`` (e.g. ``xfer-guard``, ``unexpected_recv``)."""
-    global _last_flush
     with _lock:
         _counters[(fix, kind)] += n
         due = time.monotonic() - _last_flush >= FLUSH_INTERVAL_S

@@ -162,4 +162,5 @@ def test_real_fixes_report_apply_on_the_installed_vllm_without_importing_it(tmp_
     assert imported == []
     assert rc == 0, report["problems"]
     decisions = {f["fix"]: (f["apply"], f["reason"]) for f in report["fixes"]}
-    assert decisions == {"recv-barrier": (True, "known_shape"), "xfer-guard": (True, "known_shape")}
+    assert decisions == {"recv-barrier": (True, "known_shape"), "xfer-guard": (True, "known_shape"),
+                         "pull-pin": (True, "known_shape")}

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Set
 
+from hotfix import log, status
+from hotfix.runtime import argument, contain
 from hotfix.registry import LEAVE, FixSpec, Shape, Target
 
 _MC = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
@@ -160,8 +162,6 @@ def plan_async_loads(wrapped, instance, args, kwargs):
     """Remember which child the scheduler chose to load R (``update_state_after_alloc``)."""
     result = wrapped(*args, **kwargs)
     try:
-        from hotfix.runtime import argument
-
         request = argument(args, kwargs, 0, "request")
         if argument(args, kwargs, 2, "num_external_tokens") > 0:
             chosen = instance._requests_to_connector.get(request.request_id)
@@ -197,8 +197,6 @@ def ship_load_plans(wrapped, instance, args, kwargs):
 
 def _degrade_scheduler(instance, target: str, exc: BaseException) -> None:
     """A plan may be lost: stop shipping plans for good, so workers stop waiting on them."""
-    from hotfix.runtime import contain
-
     instance.__dict__["_hotfix_degraded"] = True
     contain(FIX, target, exc, fallback="stock MultiConnector behaviour from now on")
 
@@ -231,8 +229,6 @@ def learn_loaders_at_bind(wrapped, instance, args, kwargs):
     if instance.__dict__.get("_hotfix_degraded"):
         return result
     try:
-        from hotfix.runtime import argument
-
         metadata = argument(args, kwargs, 0, "connector_metadata")
         plans = getattr(metadata, _PLANS_ATTR, None)
         instance.__dict__["_hotfix_coordinated"] = plans is not None
@@ -253,8 +249,6 @@ def learn_loaders_at_bind(wrapped, instance, args, kwargs):
         _report_evictions(barrier)
     except Exception as exc:
         instance.__dict__["_hotfix_degraded"] = True
-        from hotfix.runtime import contain
-
         contain(FIX, "MultiConnector.bind_connector_metadata", exc,
                 fallback="stock MultiConnector behaviour on this worker from now on")
     return result
@@ -316,8 +310,6 @@ def _stray(child: str, req_id: str, promoted: bool) -> None:
 
 
 def _contain_entry(instance, exc: BaseException) -> None:
-    from hotfix.runtime import contain
-
     instance.__dict__["_hotfix_degraded"] = True
     contain(FIX, "MultiConnector worker entry point", exc,
             fallback="stock MultiConnector behaviour on this worker from now on")
@@ -381,18 +373,12 @@ def _note_uncoordinated() -> None:
 
 
 def _count(kind: str) -> None:
-    from hotfix import status
-
     status.count(FIX, kind)
 
 
 def _once(key, level: str, event: str, **fields) -> None:
-    from hotfix import log
-
     log.once((FIX,) + tuple(key), level, event, fix=FIX, **fields)
 
 
 def _log(level: str, event: str, **fields) -> None:
-    from hotfix import log
-
     log.emit(level, event, fix=FIX, **fields)

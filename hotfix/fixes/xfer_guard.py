@@ -21,6 +21,8 @@ from __future__ import annotations
 import copy
 
 from hotfix.fixes._holds import KEPT, LAST, NOT_HELD, RECV, SAVE, UNKNOWN, ledger_of
+from hotfix import log, status
+from hotfix.runtime import argument, contain, violation
 from hotfix.registry import FixSpec, Shape, Target
 
 _SCHED = "vllm.v1.core.sched.scheduler"
@@ -54,8 +56,6 @@ LIVE_RECV_VAR = "HOTFIX_XFER_GUARD_LIVE_RECV"  # log (default) | fail
 
 def never_crash_on_completion_reports(wrapped, instance, args, kwargs):
     """Filter the reports vLLM would assert on or free wrongly, then delegate."""
-    from hotfix.runtime import argument
-
     output = argument(args, kwargs, 0, "kv_connector_output")
     recving = output.finished_recving or ()
     sending = output.finished_sending or ()
@@ -64,14 +64,10 @@ def never_crash_on_completion_reports(wrapped, instance, args, kwargs):
     try:
         keep_recv, keep_send, problems = _triage(instance, recving, sending)
     except Exception as exc:
-        from hotfix.runtime import contain
-
         contain(FIX, "Scheduler._update_from_kv_xfer_finished", exc,
                 fallback="stock handling of this step's reports")
         return wrapped(*args, **kwargs)
     if problems:
-        from hotfix.runtime import violation
-
         violation("; ".join(problems))
     if len(keep_recv) == len(recving) and len(keep_send) == len(sending):
         return wrapped(*args, **kwargs)
@@ -134,8 +130,6 @@ def _released(ledger, req_id, party, request, kind, problems) -> bool:
 
 
 def _unexpected(kind: str, req_id: str, status, report: str, **extra) -> str:
-    from hotfix import log
-
     _count(kind)
     log.limited((FIX, kind, req_id), "error", "hotfix.xfer.unexpected", fix=FIX, kind=kind,
                 req_id=req_id, status=str(status) if status is not None else "freed",
@@ -191,8 +185,6 @@ def record_recv_hold(wrapped, instance, args, kwargs):
             ledger_of(instance).hold(request.request_id, RECV)
             _report_evictions(instance)
     except Exception as exc:
-        from hotfix.runtime import contain
-
         contain(FIX, "Scheduler._free_request", exc, fallback="stock single-hold freeing")
     return result
 
@@ -205,8 +197,6 @@ def record_save_hold(wrapped, instance, args, kwargs):
             request = args[0] if args else kwargs["request"]
             ledger_of(instance).hold(request.request_id, SAVE)
         except Exception as exc:
-            from hotfix.runtime import contain
-
             contain(FIX, "Scheduler._connector_finished", exc, fallback="stock single-hold freeing")
     return result
 
@@ -219,8 +209,6 @@ def forget_holds_when_freed(wrapped, instance, args, kwargs):
         try:
             ledger.forget((args[0] if args else kwargs["request"]).request_id)
         except Exception as exc:
-            from hotfix.runtime import contain
-
             contain(FIX, "Scheduler._free_blocks", exc, fallback="ledger entry kept")
     return result
 
@@ -235,12 +223,8 @@ def _report_evictions(scheduler) -> None:
 
 
 def _count(kind: str) -> None:
-    from hotfix import status
-
     status.count(FIX, kind)
 
 
 def _log(level: str, event: str, **fields) -> None:
-    from hotfix import log
-
     log.emit(level, event, fix=FIX, **fields)

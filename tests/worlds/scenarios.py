@@ -184,3 +184,12 @@ RECV_FOR_FREED_REQUEST = Scenario(
     (nixl_pull(), cache_loader()),
     (Arrive(0, "B", max_tokens=24), Arrive(0, "R", max_tokens=2), StrayReport(10, "R", "nixl")),
 )
+
+# TP=2 without recv-barrier: LMCache promotes R at 1; NIXL's READ ends on rank 0 at 6 and on
+# rank 1 only at 12, long after R finished and was freed.
+NIXL_RANKS_FINISH_APART = Scenario(
+    BUG_REPORT,
+    (Arrive(0, "B", max_tokens=24), REMOTE_R, LoadDone(1, "R", "lmc"),
+     LoadDone(6, "R", "nixl", rank=0), LoadDone(12, "R", "nixl", rank=1)),
+    tp=2,
+)

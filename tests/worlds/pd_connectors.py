@@ -1,0 +1,146 @@
+"""Connectors the P/D world's decode engine loads by ``kv_connector_module_path``.
+
+vLLM imports this module in the decode engine's EngineCore (scheduler side) and worker
+(worker side); the two sides share nothing but the metadata vLLM ships between them, and
+each worker-side instance counts engine steps by its own ``start_load_kv`` calls (one per
+step, forward or not).
+
+* ``DelayedReadNixlConnector`` — the real ``NixlConnector`` (its scheduler, metadata, READ,
+  completion report and ``request_finished`` are vLLM's), except that the worker hands a
+  pull to NIXL ``read_delay_steps`` steps after the metadata asked for it. That stands in
+  for a GB-scale pull over TCP on a model whose KV is a few KiB: test-only, no vLLM file
+  changes, and the hotfix still sees the pull at bind time (``reqs_to_recv``) as it would.
+* ``EagerRetrieveConnector`` — LMCache MP <= 0.5.4 (and vLLM's in-tree MP connector <= 0.29)
+  as MultiConnector's second child: on its own cache hit it retrieves into the request's
+  blocks although MultiConnector chose NIXL and gave it ``num_external_tokens=0``, and
+  reports ``finished_recving`` ``retrieve_steps`` steps later. Its metadata has LMCache
+  MP's shape (``.requests`` of ops with ``.request_id`` and ``.direction``). It writes no
+  KV: whatever it "loads" is not what the NIXL pull is about to write. Like the in-tree
+  LMCache MP connector it does not implement ``SupportsHMA``.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from pd_world import CACHE_HIT_PARAM
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.pd_world")
+
+
+def _extra(vllm_config) -> dict:
+    return vllm_config.kv_transfer_config.kv_connector_extra_config
+
+
+class DelayedReadNixlConnector(NixlPullConnector):
+    """NixlConnector whose worker starts each pull ``read_delay_steps`` engine steps late."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._read_delay_steps = int(_extra(vllm_config).get("read_delay_steps", 0))
+        self._step = 0
+        self._held: dict[str, tuple[int, object]] = {}  # req_id -> (release step, ReqMeta)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._step += 1
+        metadata = self._connector_metadata
+        for req_id, meta in metadata.reqs_to_recv.items():
+            self._held[req_id] = (self._step + self._read_delay_steps, meta)
+            logger.info("pd_world: NIXL pull of %s asked at step %d, READ starts at step %d",
+                        req_id, self._step, self._step + self._read_delay_steps)
+        due = {req_id: meta for req_id, (at, meta) in self._held.items() if at <= self._step}
+        for req_id in due:
+            del self._held[req_id]
+            logger.info("pd_world: NIXL READ of %s starts at step %d", req_id, self._step)
+        delayed = copy.copy(metadata)
+        delayed.reqs_to_recv = due
+        self.connector_worker.start_load_kv(delayed)
+
+    def get_finished(self, finished_req_ids):
+        sending, recving = super().get_finished(finished_req_ids)
+        for req_id in recving or ():
+            logger.info("pd_world: NIXL reports %s received at step %d", req_id, self._step)
+        return sending, recving
+
+
+@dataclass
+class RetrieveOp:
+    request_id: str
+    direction: str
+    block_ids: list[int]
+
+
+class RetrieveMetadata(KVConnectorMetadata):
+    def __init__(self, requests: list[RetrieveOp]) -> None:
+        self.requests = requests
+
+
+class EagerRetrieveConnector(KVConnectorBase_V1):
+    """A decode-side cache that retrieves its hit whatever MultiConnector decided."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._retrieve_steps = int(_extra(vllm_config).get("retrieve_steps", 1))
+        self._block_size = vllm_config.cache_config.block_size
+        self._hits: dict[str, int] = {}  # scheduler side: req_id -> hit tokens
+        self._retrieves: list[RetrieveOp] = []
+        self._step = 0  # worker side
+        self._loading: dict[str, int] = {}  # req_id -> step it reports in
+
+    # Scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if not (request.kv_transfer_params or {}).get(CACHE_HIT_PARAM):
+            return 0, False
+        full_blocks = len(request.prompt_token_ids) // self._block_size * self._block_size
+        hit = full_blocks - num_computed_tokens
+        if hit <= 0:
+            return 0, False
+        self._hits[request.request_id] = hit
+        return hit, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        hit = self._hits.pop(request.request_id, 0)
+        if hit:  # the modelled defect: num_external_tokens (0 here) is not consulted
+            block_ids = blocks.get_block_ids()[0][: hit // self._block_size]
+            self._retrieves.append(RetrieveOp(request.request_id, "RETRIEVE", list(block_ids)))
+
+    def build_connector_meta(self, scheduler_output):
+        metadata = RetrieveMetadata(self._retrieves)
+        self._retrieves = []
+        return metadata
+
+    def request_finished(self, request, block_ids):
+        self._hits.pop(request.request_id, None)
+        return False, None
+
+    # Worker side --------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._step += 1
+        for op in self._connector_metadata.requests:
+            if op.direction == "RETRIEVE":
+                self._loading[op.request_id] = self._step + self._retrieve_steps
+                logger.info("pd_world: cache RETRIEVE of %s starts at step %d", op.request_id, self._step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids):
+        done = {req_id for req_id, at in self._loading.items() if at <= self._step}
+        for req_id in done:
+            del self._loading[req_id]
+            logger.info("pd_world: cache reports %s received at step %d", req_id, self._step)
+        return None, done or None

