@@ -1,8 +1,9 @@
 """Per-process runtime status: what was applied, and counters of what the fixes saw.
 
 Counters are plain in-process integers (cheap on the hot path); the JSON file
-``$HOTFIX_STATUS_DIR/<pid>.json`` is rewritten when a decision changes and at most every
-:data:`FLUSH_INTERVAL_S` when only counters moved, so an operator can read what every
+``$HOTFIX_STATUS_DIR/<pid>.json`` is rewritten when a decision changes, when a kind of event
+is seen for the first time, and at most every :data:`FLUSH_INTERVAL_S` when only counts
+moved, so an operator can read what every
 EngineCore and worker did without attaching to it.
 """
 from __future__ import annotations
@@ -23,8 +24,9 @@ _last_flush = 0.0
 def count(fix: str, kind: str, n: int = 1) -> None:
     """Count one event of ``kind`` for ``fix`` (e.g. ``xfer-guard``, ``unexpected_recv``)."""
     with _lock:
+        first = (fix, kind) not in _counters  # a new kind of event is written at once
         _counters[(fix, kind)] += n
-        due = time.monotonic() - _last_flush >= FLUSH_INTERVAL_S
+        due = first or time.monotonic() - _last_flush >= FLUSH_INTERVAL_S
     if due:
         from hotfix import registry
 

@@ -8,8 +8,10 @@ its prompt from scratch. Prompts differ per test so no decode engine reuses cach
 """
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +43,8 @@ class Engines:
     nixl: Engine
     stock: Engine
     hotfix: Engine
+    pin: Engine  # the hotfix without recv-barrier: early promotion still happens
+    pin_status: Path
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +52,16 @@ def pd(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-world")
     home = install_home(root / "hotfix-home", fixes=())
     bug_report = decode_bug_report_config(READ_DELAY_STEPS)
+    pin_status = root / "pin-status"
     with PDWorld(root, build_model(root / "model"), clean_env()) as world:
         engines = Engines(
             prefill=world.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False}),
             nixl=world.start("decode-nixl", decode_nixl_config()),
             stock=world.start("decode-stock", bug_report),
             hotfix=world.start("decode-hotfix", bug_report, hotfix_home=home),
+            pin=world.start("decode-pin", bug_report, hotfix_home=home,
+                            env={"HOTFIX_RECV_BARRIER": "off", "HOTFIX_STATUS_DIR": str(pin_status)}),
+            pin_status=pin_status,
         )
         for engine in world.engines:
             engine.wait_ready()
@@ -121,3 +129,22 @@ def test_hotfix_holds_promotion_until_nixl_wrote_the_blocks(pd):
     assert "hotfix.runtime.error" not in log
     events = racy_request_steps(pd.hotfix)
     assert events["cache_reported"] < events["read_started"] < events["nixl_reported"]
+
+
+def test_pull_pin_keeps_the_late_reads_blocks_from_the_next_request(pd):
+    """recv-barrier off, pull-pin and xfer-guard on: the cache's report still promotes R early
+    (D1 is recv-barrier's to prevent), but NIXL's late READ lands in blocks that stayed
+    pinned, so the next request decodes exactly like the reference and D stays alive."""
+    clean, racy, after = prompt(41, 70), prompt(42, 100), prompt(43, 90)
+    assert transfer(pd.prefill, pd.pin, clean, MAX_TOKENS) == reference(pd, clean)
+    transfer(pd.prefill, pd.pin, racy, MAX_TOKENS, cache_hit=True)  # early-promoted: D1
+    assert transfer(pd.prefill, pd.pin, after, MAX_TOKENS) == reference(pd, after)
+
+    assert pd.pin.alive()
+    events = racy_request_steps(pd.pin)
+    assert events["cache_reported"] < events["read_started"] < events["nixl_reported"]
+    engine_core = [json.loads(p.read_text()) for p in pd.pin_status.glob("*.json")]
+    counters = [s["counters"].get("pull-pin", {}) for s in engine_core if "pull-pin" in s["counters"]]
+    assert any(c.get("pinned") and c.get("released") for c in counters), engine_core
+    late = [line for line in pd.pin.log().splitlines() if "hotfix.xfer.unexpected" in line]
+    assert late and all("kind='recv_unknown'" in line for line in late)

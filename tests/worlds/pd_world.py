@@ -279,6 +279,9 @@ class PDWorld:
             "UCX_TLS": "tcp,self",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+            # Engines start side by side: give each its own base for vLLM's internal ports
+            # (torch.distributed), or two may pick the same free port at once (EADDRINUSE).
+            "VLLM_PORT": str(free_port()),
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": "1",
