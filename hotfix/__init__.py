@@ -23,6 +23,8 @@ def activate(source: str) -> bool:
     and a forked child inherits the parent's activation (and its patches).
     """
     global activated_by
+    if _disabled():
+        return False
     with _lock:
         if activated_by is not None:
             return False
@@ -31,3 +33,11 @@ def activate(source: str) -> bool:
 
     registry.install_hooks(source)
     return True
+
+
+def _disabled() -> bool:
+    """``HOTFIX_DISABLE`` set to anything but a false value: the kill switch, for every entry
+    point (the shim reads it itself and never imports us then)."""
+    import os
+
+    return os.environ.get("HOTFIX_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")

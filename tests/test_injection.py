@@ -181,6 +181,14 @@ def test_plugin_entry_point_alone_activates(tmp_path):
     assert out["activated_by"] == "vllm_plugin" and out["survived"] is True
 
 
+def test_kill_switch_also_stops_the_plugin_entry_point(tmp_path):
+    home = install_home(tmp_path / "home", shim=False)
+    code = "from hotfix.plugin import register; register()\n" + PROBE
+    out = last_json(run_py(code, path=[home, FAKE_VLLM], env=clean_env(HOTFIX_DISABLE="1")))
+    assert out["activated_by"] is None and out["survived"] is False
+    assert [m for m in out["hotfix_modules"] if m.startswith(("wrapt", "structlog"))] == []
+
+
 def test_plugin_after_sitecustomize_is_a_no_op(home):
     code = PROBE + "\nfrom hotfix.plugin import register; register(); print(json.dumps(hotfix.activated_by))"
     assert last_json(run_py(code, path=[home, FAKE_VLLM])) == "sitecustomize"
