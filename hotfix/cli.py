@@ -1,4 +1,4 @@
-"""``python -m hotfix status | bundle``: operator commands.
+"""``python -m hotfix status | bundle | repro``: operator commands.
 
 ``status`` is static: it reads the installed files and the environment and never imports
 vLLM or torch, so it can serve as a container readiness gate (exit 1 when an enabled fix
@@ -200,6 +200,12 @@ def _precompile(dest: str) -> None:
     compileall.compile_dir(os.path.join(dest, "hotfix"), quiet=1, invalidation_mode=mode)
 
 
+def cmd_repro(args) -> int:
+    from hotfix import repro
+
+    return repro.main(args.world, args.json)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hotfix", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,6 +219,10 @@ def main(argv=None) -> int:
     p_bundle.add_argument("--pip-arg", action="append", default=[],
                           help="extra argument for the pip that installs the private deps")
     p_bundle.set_defaults(func=cmd_bundle)
+    p_repro = sub.add_parser("repro", help="the bug report's races on this vLLM, stock vs hotfix")
+    p_repro.add_argument("--world", choices=("scheduler", "pd"), default="scheduler")
+    p_repro.add_argument("--json", action="store_true")
+    p_repro.set_defaults(func=cmd_repro)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

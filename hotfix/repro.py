@@ -1,0 +1,124 @@
+"""``python -m hotfix repro``: the bug report's races on the installed vLLM, stock vs hotfix.
+
+Runs from a checkout of vllm-hotfix: the worlds live in ``tests/worlds`` (they are also the
+test suite's). A bundle does not carry them yet.
+
+Each race runs twice, on stock vLLM and with every fix this copy carries, and the table says
+what happened: the assert that killed the EngineCore, blocks written after they were freed,
+a request computed over blocks still being loaded, or tokens that differ from a clean run.
+Exit 0 when every stock run failed as the bug report says and every hotfix run was clean.
+
+- ``scheduler`` (default, about a minute on 2 cores): the real Scheduler, MultiConnector and
+  NIXL scheduler in this process, test connectors loaded by vLLM;
+- ``pd`` (several minutes, needs ``nixl``): a prefill and two decode engines (stock, hotfix)
+  moving KV through NIXL/UCX on loopback, the decode node as in the bug report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+SCHEDULER_RACES = ("LATE_REPORT_AFTER_FREE", "LATE_REPORT_WHILE_RUNNING", "EARLY_PROMOTION",
+                   "TP_MIXED_REPORTS", "ABORT_SAVE_FIRST_ALL_SAVED", "ABORT_NIXL_FIRST_ALL_SAVED",
+                   "NIXL_RANKS_FINISH_APART")
+
+
+def _fix_ids() -> tuple:
+    from hotfix import registry
+
+    return tuple(m.SPEC.id for m in registry.fix_modules())
+
+
+def _outcome(result) -> str:
+    if result.crash is not None:
+        return f"EngineCore dies: {result.crash.source_line} (tick {result.crash.step})"
+    kinds = sorted({v.kind for v in result.violations})
+    return "clean" if not kinds else "silent: " + ", ".join(kinds)
+
+
+def scheduler_world() -> list:
+    _home()
+    from tests.worlds import scenarios
+    from tests.worlds.hotfix_on import hotfix_active
+
+    rows = []
+    for name in SCHEDULER_RACES:
+        scenario = getattr(scenarios, name)
+        stock = _outcome(scenario.run())
+        with hotfix_active(*_fix_ids()):
+            fixed = _outcome(scenario.run())
+        rows.append({"world": "scheduler", "race": name.lower(), "stock": stock, "hotfix": fixed,
+                     "ok": stock != "clean" and fixed == "clean"})
+    return rows
+
+
+def _home() -> Path:
+    """The checkout holding our ``hotfix`` package, shim and ``tests/worlds``."""
+    import hotfix
+
+    home = Path(hotfix.__file__).resolve().parent.parent
+    if not (home / "sitecustomize.py").is_file() or not (home / "tests" / "worlds").is_dir():
+        raise SystemExit(f"repro needs a checkout of vllm-hotfix (no tests/worlds next to {home / 'hotfix'})")
+    if str(home) not in sys.path:
+        sys.path.insert(0, str(home))  # vLLM's connector factory imports tests.worlds.* by name
+    return home
+
+
+def pd_world(max_tokens: int = 8) -> list:
+    from tests.worlds import pd_world as pd
+
+    home = _home()
+    root = Path(tempfile.mkdtemp(prefix="hotfix-repro-pd-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOTFIX_")}
+    env.pop("PYTHONPATH", None)
+    env["VLLM_PLUGINS"] = ""  # a pip-installed hotfix must not patch the stock engine
+    rng = random.Random(7)
+    clean, racy, after = ([rng.randrange(3, pd.VOCAB_SIZE) for _ in range(n)] for n in (70, 100, 90))
+    outcomes = {}
+    with pd.PDWorld(root, pd.build_model(root / "model"), env) as world:
+        prefill = world.start("prefill", pd.prefill_config(), engine_args={"enable_prefix_caching": False})
+        bug_report = pd.decode_bug_report_config(read_delay_steps=max_tokens + 8)
+        decodes = {"stock": world.start("decode-stock", bug_report),
+                   "hotfix": world.start("decode-hotfix", bug_report, hotfix_home=home)}
+        for engine in world.engines:
+            engine.wait_ready()
+        reference = [prefill.generate([pd.Request(p, max_tokens)])[0].token_ids for p in (clean, racy, after)]
+        for label, decode in decodes.items():
+            try:
+                got = [pd.transfer(prefill, decode, p, max_tokens, cache_hit=p is racy)
+                       for p in (clean, racy, after)]
+                wrong = [name for name, g, ref in zip(("clean", "racy", "next"), got, reference) if g != ref]
+                outcomes[label] = ("tokens equal the reference" if not wrong
+                                   else f"silent corruption: wrong tokens for {', '.join(wrong)}")
+            except pd.EngineFailure as exc:
+                outcomes[label] = f"decode engine died: {exc.kind}"
+    return [{"world": "pd", "race": "bug report (delayed NIXL READ)", "stock": outcomes["stock"],
+             "hotfix": outcomes["hotfix"],
+             "ok": outcomes["stock"] != "tokens equal the reference"
+             and outcomes["hotfix"] == "tokens equal the reference"}]
+
+
+WORLDS = {"scheduler": scheduler_world, "pd": pd_world}
+
+
+def main(world: str = "scheduler", as_json: bool = False) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The stock runs must be stock: no automatic activation in this process (a shim on our
+    # PYTHONPATH would otherwise patch vLLM on import); the hotfix runs apply it explicitly.
+    os.environ["HOTFIX_DISABLE"] = "1"
+    os.environ.setdefault("HOTFIX_STATUS_DIR", tempfile.mkdtemp(prefix="hotfix-repro-status-"))
+    rows = WORLDS[world]()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{'race':32} {'stock vLLM':62} with the hotfix")
+        for row in rows:
+            print(f"{row['race']:32} {row['stock']:62} {row['hotfix']}")
+    ok = all(row["ok"] for row in rows)
+    print("\nreproduced on stock vLLM and fixed by the hotfix" if ok
+          else "\nUNEXPECTED: a stock run did not fail or a hotfix run was not clean")
+    return 0 if ok else 1
