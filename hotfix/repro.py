@@ -88,14 +88,17 @@ def pd_world(max_tokens: int = 8) -> list:
             engine.wait_ready()
         reference = [prefill.generate([pd.Request(p, max_tokens)])[0].token_ids for p in (clean, racy, after)]
         for label, decode in decodes.items():
-            try:
-                got = [pd.transfer(prefill, decode, p, max_tokens, cache_hit=p is racy)
-                       for p in (clean, racy, after)]
-                wrong = [name for name, g, ref in zip(("clean", "racy", "next"), got, reference) if g != ref]
-                outcomes[label] = ("tokens equal the reference" if not wrong
-                                   else f"silent corruption: wrong tokens for {', '.join(wrong)}")
-            except pd.EngineFailure as exc:
-                outcomes[label] = f"decode engine died: {exc.kind}"
+            wrong, died = [], None
+            for name, tokens, ref in zip(("clean", "racy", "next"), (clean, racy, after), reference):
+                try:
+                    if pd.transfer(prefill, decode, tokens, max_tokens, cache_hit=tokens is racy) != ref:
+                        wrong.append(name)
+                except pd.EngineFailure as exc:
+                    died = exc.kind
+                    break
+            findings = ([f"wrong tokens for {', '.join(wrong)}"] if wrong else []) + \
+                ([f"decode engine died ({died})"] if died else [])
+            outcomes[label] = "; then ".join(findings) or "tokens equal the reference"
     return [{"world": "pd", "race": "bug report (delayed NIXL READ)", "stock": outcomes["stock"],
              "hotfix": outcomes["hotfix"],
              "ok": outcomes["stock"] != "tokens equal the reference"

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 from tests.worlds import scenarios
+from tests.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED
 from tests.worlds.tracker import COMPUTE_WHILE_LOADING, WRITE_INTO_FREED
 from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock, verdicts
 
@@ -127,3 +128,20 @@ def test_toggled_off_behaves_exactly_like_stock(monkeypatch):
         fixed, states = run_fixed(scenario, FIX)
         assert states[FIX] == {"state": "skipped", "reason": "disabled", "wrapped": []}
         assert verdicts(fixed) == verdicts(run_stock(scenario))
+
+
+@pytest.mark.skipif(not DEFERRED_LOADS_SUPPORTED, reason="deferred async loads are vLLM 0.33+")
+@pytest.mark.parametrize("scenario", ["ABORT_AFTER_DEFERRED_LOAD_STARTED",
+                                      "BUG_REPORT_ABORT_AFTER_DEFERRED_LOAD_STARTED"])
+def test_abort_after_a_deferred_load_started_still_ships_the_plan_and_frees_once(scenario):
+    """0.33: the load starts in update_from_output, the abort lands before the metadata is
+    built. The plan must still travel (the READ runs), or the recv hold is never released."""
+    scenario = getattr(scenarios, scenario)
+    stock = run_stock(scenario)
+    assert stock.crash.source_line == IN_REQUESTS
+
+    fixed, _ = run_fixed(scenario, FIX, "xfer-guard")
+    assert_clean(fixed)
+    (delivered,) = delivered_at(fixed, "R")
+    assert delivered >= nixl_done_at(fixed)
+    assert "R" not in fixed.world.scheduler.requests

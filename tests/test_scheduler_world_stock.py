@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from tests.worlds import scenarios
-from tests.worlds.scheduler_world import patched_methods
+from tests.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED, patched_methods
 from tests.worlds.tracker import (
     BLOCKS_NOT_RETURNED,
     COMPUTE_WHILE_LOADING,
@@ -126,6 +126,25 @@ def test_stock_abort_during_remote_load_nixl_first_frees_under_async_save():
     assert len(blocks_flagged(result, READ_FROM_FREED, "lmc@rank0")) == 4
     assert_engine_core_dies(result, IN_REQUESTS, "finished_sending")
     assert result.crash.step == 4
+
+
+@pytest.mark.skipif(not DEFERRED_LOADS_SUPPORTED, reason="deferred async loads are vLLM 0.33+")
+def test_stock_abort_after_deferred_load_started_frees_under_nixl_read():
+    """vLLM 0.33 deferred async loads (pitfall 10): schedule() parks R's load at 1 and
+    _drain_deferred_loads starts it when the in-flight batch is processed; the abort at 2
+    comes before the metadata with NIXL's READ is built. finish_requests keeps the recv
+    hold, the READ starts anyway, LMCache's save completion frees R under it (D4) and
+    NIXL's completion hits the recv-loop assert."""
+    result = scenarios.ABORT_AFTER_DEFERRED_LOAD_STARTED.run()
+
+    assert result.step(1).deferred_loads == {"R"}
+    assert result.step(2).deferred_loads == set()
+    assert result.step(2).status["R"] == "FINISHED_ABORTED"
+    # the save's report (tick 3) is processed one batch later, as with the batch queue
+    assert {v.step for v in result.tracker.of_kind(WRITE_INTO_FREED)} == {4}
+    assert len(blocks_flagged(result, WRITE_INTO_FREED, "nixl@rank0")) == 4
+    assert_engine_core_dies(result, IN_REQUESTS, "finished_recving")
+    assert result.step(5).reported("nixl", "R") == [0]
 
 
 def test_stock_sibling_report_stops_nixl_heartbeat():

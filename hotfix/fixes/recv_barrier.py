@@ -184,7 +184,10 @@ def ship_load_plans(wrapped, instance, args, kwargs):
         plans = {
             req_id: chosen
             for req_id, (chosen, request) in unshipped.items()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # async, not a sync load
+            # async (waiting for the load), or aborted after its load started (0.33 deferred
+            # loads start in update_from_output, before this metadata); a sync load is RUNNING
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            or RequestStatus.is_finished(request.status)
         }
         unshipped.clear()
         setattr(metadata, _PLANS_ATTR, plans)

@@ -25,9 +25,15 @@ class Scenario:
     async_scheduling: bool = False
     until: int | None = None
     grace: int = 64
+    defer_async_loads: bool = False  # vLLM 0.33+ only; see World
 
     def run(self) -> RunResult:
-        world = World(self.children, tp=self.tp, async_scheduling=self.async_scheduling)
+        world = World(
+            self.children,
+            tp=self.tp,
+            async_scheduling=self.async_scheduling,
+            defer_async_loads=self.defer_async_loads,
+        )
         return world.run(self.timeline, until=self.until, grace=self.grace)
 
 
@@ -192,4 +198,27 @@ NIXL_RANKS_FINISH_APART = Scenario(
     (Arrive(0, "B", max_tokens=24), REMOTE_R, LoadDone(1, "R", "lmc"),
      LoadDone(6, "R", "nixl", rank=0), LoadDone(12, "R", "nixl", rank=1)),
     tp=2,
+)
+
+# vLLM 0.33 deferred async loads (vllm-targets.md §0.4 pitfall 10). With overlapping batches
+# and a HiSparse KV cache the scheduler parks R's async load (R arrives at 1 while B's batch
+# is in flight) and starts it — MultiConnector.update_state_after_alloc — from
+# `_drain_deferred_loads` when that batch is processed, i.e. after tick 1's metadata was built.
+# The client aborts R at 2, after the load started on the scheduler side but before the
+# metadata carrying NIXL's READ is built: finish_requests keeps the recv hold, the READ runs.
+# LMCache's save of R completes at 3, NIXL's READ at 5.
+ABORT_AFTER_DEFERRED_LOAD_STARTED = Scenario(
+    NIXL_AND_SAVING_CACHE,
+    (BYSTANDER, BYSTANDER_SAVED, Arrive(1, "R", remote_prefill=True), Abort(2, "R"),
+     SaveDone(3, "R", "lmc"), LoadDone(5, "R", "nixl")),
+    async_scheduling=True,
+    defer_async_loads=True,
+)
+# The same abort with the bug report's pair (both loaders write R's blocks).
+BUG_REPORT_ABORT_AFTER_DEFERRED_LOAD_STARTED = Scenario(
+    BUG_REPORT,
+    (BYSTANDER, Arrive(1, "R", remote_prefill=True, hits={"lmc": 48}, max_tokens=2),
+     Abort(2, "R"), LoadDone(3, "R", "lmc"), LoadDone(5, "R", "nixl")),
+    async_scheduling=True,
+    defer_async_loads=True,
 )

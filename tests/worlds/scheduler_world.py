@@ -116,6 +116,32 @@ def _tiny_model_dir() -> str:
     return _model_dir.name
 
 
+# vLLM 0.33 can start an async KV load one step late: `schedule()` parks it in
+# `Scheduler.deferred_loads` and `update_from_output` starts it from
+# `_drain_deferred_loads` (before that step's `_update_from_kv_xfer_finished`).
+DEFERRED_LOADS_SUPPORTED = hasattr(Scheduler, "_drain_deferred_loads")
+
+
+def _deferred_loads_kwargs(enabled: bool, num_blocks: int) -> dict:
+    """KVCacheConfig fields that turn vLLM's own deferral of async loads on.
+
+    vLLM 0.33 defers (`Scheduler.defer_async_loads`) only when batches overlap on a
+    KV consumer (`defer_block_free`: async scheduling or PP) *and* the KV cache has
+    a HiSparse host pool (`kv_cache_config.hisparse_host_num_blocks is not None`).
+    In the scheduler and the KV cache manager nothing else reads that field (the
+    host pool size only matters for host-resident KV tensors, of which the world
+    has none), so giving it a value selects the deferral path and nothing else.
+    """
+    if not enabled:
+        return {}
+    if not DEFERRED_LOADS_SUPPORTED:
+        raise ValueError(
+            "defer_async_loads: this vLLM has no deferred async loads "
+            "(Scheduler._drain_deferred_loads, vLLM 0.33+)"
+        )
+    return {"hisparse_host_num_blocks": num_blocks}
+
+
 DRIVEN_CLASSES = (
     Scheduler,
     AsyncScheduler,
@@ -220,6 +246,9 @@ class StepRecord:
     finished: dict[str, str] = field(default_factory=dict)
     status: dict[str, str] = field(default_factory=dict)
     free_blocks: int = 0
+    # requests whose async load is parked right after this tick's schedule() (vLLM 0.33+:
+    # started later, from _drain_deferred_loads)
+    deferred_loads: frozenset[str] = frozenset()
 
     def reported(self, child: str, req_id: str, kind: str = "recv") -> list[int]:
         """Ranks on which `child` reported `req_id` this tick."""
@@ -263,6 +292,11 @@ class World:
     `.enclosing_loop()`), `.tracker.violations`, and one StepRecord per
     tick. `child(name)` / `child(name, rank)` give the connector instances
     vLLM built; `scheduler` is the real (Async)Scheduler.
+
+    `defer_async_loads=True` (vLLM 0.33+, needs `async_scheduling=True`) makes
+    the scheduler defer async loads that are scheduled while a batch is in
+    flight, as it does with a HiSparse KV cache: the load starts from
+    `_drain_deferred_loads` when that batch is processed.
     """
 
     def __init__(
@@ -272,6 +306,7 @@ class World:
         async_scheduling: bool = False,
         num_blocks: int = 64,
         block_size: int = 16,
+        defer_async_loads: bool = False,
     ) -> None:
         self.children = list(children)
         self.tp = tp
@@ -303,6 +338,7 @@ class World:
                     ),
                 )
             ],
+            **_deferred_loads_kwargs(defer_async_loads, num_blocks),
         )
         connectors.attach(self._id, self)
         try:
@@ -322,6 +358,11 @@ class World:
                 )
                 for rank in range(tp)
             ]
+            if defer_async_loads and not self.scheduler.defer_async_loads:
+                raise ValueError(
+                    "defer_async_loads: vLLM defers loads only with overlapping "
+                    "batches; use async_scheduling=True"
+                )
         except BaseException:
             connectors.detach(self._id)
             raise
@@ -544,6 +585,7 @@ class World:
             scheduler_output = self._call("schedule", self.scheduler.schedule)
             self._observe()
             self._record.scheduled = dict(scheduler_output.num_scheduled_tokens)
+            self._record.deferred_loads = frozenset(getattr(self.scheduler, "deferred_loads", ()))
             holdings = self.holdings()
             for req_id in scheduler_output.num_scheduled_tokens:
                 self.tracker.computed(self.step, req_id, holdings.get(req_id, ()))
