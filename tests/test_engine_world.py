@@ -7,6 +7,12 @@ report then hits ``assert req_id in self.requests`` in the EngineCore (the seed 
 With the hotfix, delivered only by ``PYTHONPATH`` or only by the plugin entry point, the
 same requests complete. Each run starts a fresh engine (about 1.5 minutes on 2 cores).
 """
+import json
+
+import pytest
+
+from hotfix import registry
+from tests.worlds import shifted_tree
 from tests.worlds.engine_world import (
     PLUGIN,
     PYTHONPATH,
@@ -18,6 +24,9 @@ from tests.worlds.engine_world import (
 )
 
 IN_REQUESTS = "assert req_id in self.requests"
+# Every target of xfer-guard lives in the Scheduler; with it skipped, recv-barrier still keeps
+# the race harmless, so the run must complete.
+ENGINE_FIX = "xfer-guard"
 
 
 def describe(run: EngineRun) -> str:
@@ -45,11 +54,14 @@ def assert_completed(run: EngineRun) -> None:
 
 
 def assert_patched_everywhere(run: EngineRun, activated_by: str) -> None:
-    """recv-barrier wraps MultiConnector in the EngineCore and in the worker alike."""
+    """recv-barrier wraps MultiConnector in the EngineCore and in the worker alike, at the
+    worker entry point the model runner calls (get_transfer_results from 0.30 on)."""
     for record in run.processes:
         assert record["hotfix_activated_by"] == activated_by, record
+        entry = ("get_transfer_results" if "MultiConnector.get_transfer_results" in record["wrapped"]
+                 else "get_finished")
         for method in ("update_state_after_alloc", "build_connector_meta",
-                       "bind_connector_metadata", "get_finished"):
+                       "bind_connector_metadata", entry):
             assert "recv-barrier" in record["wrapped"][f"MultiConnector.{method}"], record
 
 
@@ -103,3 +115,29 @@ def test_xfer_guard_alone_keeps_the_engine_alive_and_reports_the_stale_load():
         assert "xfer-guard" in record["wrapped"]["Scheduler._update_from_kv_xfer_finished"], record
     unexpected = [line for line in run.log.splitlines() if "hotfix.xfer.unexpected" in line]
     assert len(unexpected) == 1 and "kind='recv_unknown'" in unexpected[0], run.log
+
+
+def test_engine_starts_and_generates_when_a_changed_scheduler_statement_skips_xfer_guard(tmp_path):
+    """The decision is taken in the EngineCore from the files it imports: it runs the changed
+    Scheduler without xfer-guard, logs why, and serves requests with the other fixes on."""
+    from vllm.platforms import current_platform  # vLLM (and torch) only where an engine runs
+
+    if current_platform.is_unspecified():
+        pytest.skip("this vLLM build has no platform here (e.g. a CUDA wheel on a CPU box)")
+    tree, target, stock_fp, changed_fp = shifted_tree.tree_with_one_statement_changed(
+        tmp_path / "tree", ENGINE_FIX)
+    status_dir = tmp_path / "status"
+
+    run = run_engine(PYTHONPATH, extra_path=[tree], env={"HOTFIX_STATUS_DIR": str(status_dir)})
+
+    assert run.completed and not run.engine_dead, run.log[-6000:]
+    assert {name: len(tokens) for name, tokens in run.outputs.items()} == {r.name: r.max_tokens for r in RACE}
+    (engine_core,) = {p["pid"] for p in run.in_role("scheduler")}
+    states = json.loads((status_dir / f"{engine_core}.json").read_text())["fixes"]
+    assert states[ENGINE_FIX] == {"state": "skipped", "reason": "fingerprint_mismatch", "wrapped": []}
+    for other in (s.id for s in registry.discover() if s.id != ENGINE_FIX):  # pending: worker-side targets
+        assert states[other]["state"] in ("applied", "pending") and states[other]["wrapped"], states
+    for record in run.in_role("scheduler"):
+        assert ENGINE_FIX not in record["wrapped"]["Scheduler._update_from_kv_xfer_finished"], record
+    skipped = [line for line in run.log.splitlines() if "hotfix.patch.skipped" in line]
+    assert skipped and all(s in skipped[0] for s in (target.key, changed_fp, stock_fp)), run.log[-6000:]

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from tests.worlds import scenarios
-from tests.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED
+from tests.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED, FAILED_RECVS_SUPPORTED
 from tests.worlds.tracker import COMPUTE_WHILE_LOADING, WRITE_INTO_FREED
 from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock, verdicts
 
@@ -145,3 +145,50 @@ def test_abort_after_a_deferred_load_started_still_ships_the_plan_and_frees_once
     (delivered,) = delivered_at(fixed, "R")
     assert delivered >= nixl_done_at(fixed)
     assert "R" not in fixed.world.scheduler.requests
+
+
+@pytest.mark.skipif(not FAILED_RECVS_SUPPORTED, reason="failed_recving is vLLM 0.30+")
+@pytest.mark.parametrize("scenario, writer, finished_at", [
+    ("NIXL_FAILS_WHILE_LMCACHE_WRITES", "lmc", 2),
+    ("LMCACHE_FAILS_WHILE_NIXL_WRITES", "nixl", 5),
+])
+def test_failed_load_is_reported_once_after_the_other_loader_stops_writing(
+        scenario, writer, finished_at):
+    """L3: stock forwards one loader's failure at 2 and vLLM frees R's blocks under the other
+    loader's write. Fixed, the failure reaches the scheduler once, with the other loader's
+    completion at 5; R fails with an error either way. NIXL also marks its blocks invalid,
+    which fails R at once (2), but R's recv hold keeps the blocks until the barrier opens."""
+    scenario = getattr(scenarios, scenario)
+    stock = run_stock(scenario)
+    assert stock.crash.source_line == IN_REQUESTS and stock.crash.step == 5
+    assert {(v.step, v.who) for v in stock.tracker.of_kind(WRITE_INTO_FREED)} == {(2, f"{writer}@rank0")}
+    assert delivered_at(stock, "R", "failed") == [2]
+
+    fixed, _ = run_fixed(scenario, FIX)
+    assert_clean(fixed)
+    assert delivered_at(fixed, "R") == delivered_at(fixed, "R", "failed") == [5]
+    assert finished(fixed, "R") == (finished_at, "error")
+    assert fixed.first_computed("R") is None
+
+
+def test_late_first_episode_report_does_not_promote_the_load_after_preemption():
+    """L4: without a local prefix cache the resumed R loads again under the same id. NIXL's
+    late report of the first episode (6) promotes stock's second episode while LMCache still
+    writes it, and LMCache's own report (9) then hits the running-request assert. Fixed, the
+    report is absorbed as a stray and R runs only after the second load is done."""
+    from hotfix import status
+
+    scenario = scenarios.RESUME_LOAD_AFTER_PREEMPTION
+    stock = run_stock(scenario)
+    assert stock.step(4).status["R"] == "WAITING_FOR_REMOTE_KVS"  # a second load episode
+    assert delivered_at(stock, "R") == [2, 6, 9] and stock.crash.source_line == IS_FINISHED
+    assert {(v.step, v.who) for v in stock.tracker.of_kind(COMPUTE_WHILE_LOADING)} == {(7, "lmc@rank0")}
+
+    before = status.counters().get(FIX, {}).get("stray_report", 0)
+    fixed, _ = run_fixed(scenario, FIX)
+    assert_clean(fixed)
+    assert fixed.step(4).status["R"] == "WAITING_FOR_REMOTE_KVS"
+    assert delivered_at(fixed, "R") == [2, 9]
+    assert [s.step for s in fixed.steps if "R" in s.scheduled][:2] == [3, 10]
+    assert finished(fixed, "R")[1] == "length"
+    assert status.counters()[FIX]["stray_report"] == before + 1

@@ -14,6 +14,10 @@ through `kv_connector_extra_config["world"]` and asks it when to report.
   `request_finished`, heartbeats and metadata are the production code); only
   the worker's UCX READ is emulated, because NIXL cannot run in-process here.
 
+A load ends when the timeline says: `LoadDone`, or `LoadFailed` (vLLM 0.30+:
+the request is also in `failed_recving`; the NIXL emulation, like NIXL
+without HMA, also reports the failed READ's blocks as invalid).
+
 A CacheLoader built with `async_save` holds every finished request's
 blocks (`request_finished` returns True, like LMCache MP with stores in
 flight); its workers read them and report `finished_sending` when the
@@ -37,6 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
 )
 from vllm.utils.math_utils import cdiv
+
+from tests.worlds.timeline import LoadFailed
 
 _WORLDS: dict[str, Any] = {}
 
@@ -101,11 +107,12 @@ class _WorldChild:
         self._saves[req_id] = tuple(block_ids)
         self.world.tracker.read_started(self.world.step, self.label, req_id, block_ids)
 
-    def _collect_reports(self) -> tuple[set[str], set[str]]:
+    def _collect_reports(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving ⊆ finished_recving)."""
         step = self.world.step
-        recving = {
-            r for r in self._loads if self.world.take_due("load", r, self.name, self.rank)
-        }
+        ended = {r: self.world.take_due("load", r, self.name, self.rank) for r in self._loads}
+        recving = {r for r, event in ended.items() if event}
+        failed = {r for r, event in ended.items() if isinstance(event, LoadFailed)}
         sending = {
             r for r in self._saves if self.world.take_due("save", r, self.name, self.rank)
         }
@@ -118,7 +125,7 @@ class _WorldChild:
         recving |= self.world.take_strays("recv", self.name, self.rank)
         sending |= self.world.take_strays("send", self.name, self.rank)
         self.world.note_worker_report(self, sending, recving)
-        return sending, recving
+        return sending, recving, failed
 
     def _record_given(self, connector_output) -> None:
         self.given_outputs.append(
@@ -205,8 +212,23 @@ class CacheLoader(_WorldChild, KVConnectorBase_V1, SupportsHMA):
         return
 
     def get_finished(self, finished_req_ids: set[str]):
-        sending, recving = self._collect_reports()
+        sending, recving, _ = self._collect_reports()
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """vLLM 0.30+: the base class's would drop the loads that failed."""
+        return _transfer_results(*self._collect_reports())
+
+
+def _transfer_results(sending: set[str], recving: set[str], failed: set[str]):
+    """What a child's `get_transfer_results` returns (vLLM 0.30+)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+    )
+
+    return KVConnectorTransferResults(
+        finished_sending=sending, finished_recving=recving, failed_recving=failed
+    )
 
 
 class BuggyLMCacheMPLoader(CacheLoader):
@@ -226,6 +248,7 @@ class _EmulatedPullWorker:
 
     def __init__(self, child: "NixlPullLoader") -> None:
         self._child = child
+        self._invalid_block_ids: set[int] = set()
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         for req_id, meta in metadata.reqs_to_recv.items():
@@ -234,21 +257,20 @@ class _EmulatedPullWorker:
                 self._child._start_load(req_id, block_ids)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        return self._child._collect_reports()
+        sending, recving, _ = self._child._collect_reports()
+        return sending, recving
 
     def get_transfer_results(self):
-        """The worker entry point NIXL's facade calls from vLLM 0.30 on."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-            KVConnectorTransferResults,
-        )
-
-        sending, recving = self._child._collect_reports()
-        return KVConnectorTransferResults(
-            finished_sending=sending, finished_recving=recving
-        )
+        """The worker entry point NIXL's facade calls from vLLM 0.30 on. Like NIXL without
+        HMA, a failed READ also marks its local blocks invalid, in the same pass."""
+        reading = dict(self._child._loads)
+        sending, recving, failed = self._child._collect_reports()
+        self._invalid_block_ids.update(b for req_id in failed for b in reading[req_id])
+        return _transfer_results(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
 
     def get_kv_connector_stats(self) -> None:
         return None

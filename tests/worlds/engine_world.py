@@ -158,11 +158,12 @@ def fixes_only(*fix_ids: str) -> dict:
 
 def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
                start_method: str | None = None, env: dict | None = None,
-               timeout: float = 600.0) -> EngineRun:
+               extra_path=(), timeout: float = 600.0) -> EngineRun:
     """Start the engine in a subprocess with the hotfix delivered by ``variant``, run
-    ``requests`` to the end (or the engine's death), and tear everything down."""
+    ``requests`` to the end (or the engine's death), and tear everything down.
+    ``extra_path`` goes on ``PYTHONPATH`` after ours (e.g. a vLLM tree to run instead)."""
     work = Path(tempfile.mkdtemp(prefix=f"engine-world-{variant}-"))
-    path = _python_path(variant, work)
+    path = [*_python_path(variant, work), *extra_path]
     run_env = clean_env(**(env or {}))
     for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD"):
         run_env.pop(key, None)  # vLLM's defaults, unless the caller asks

@@ -14,7 +14,16 @@ from tests.worlds.scheduler_world import (
     cache_loader,
     nixl_pull,
 )
-from tests.worlds.timeline import Abort, Arrive, Event, LoadDone, Preempt, SaveDone, StrayReport
+from tests.worlds.timeline import (
+    Abort,
+    Arrive,
+    Event,
+    LoadDone,
+    LoadFailed,
+    Preempt,
+    SaveDone,
+    StrayReport,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,7 @@ class Scenario:
     until: int | None = None
     grace: int = 64
     defer_async_loads: bool = False  # vLLM 0.33+ only; see World
+    prefix_caching: bool = True
 
     def run(self) -> RunResult:
         world = World(
@@ -33,6 +43,7 @@ class Scenario:
             tp=self.tp,
             async_scheduling=self.async_scheduling,
             defer_async_loads=self.defer_async_loads,
+            prefix_caching=self.prefix_caching,
         )
         return world.run(self.timeline, until=self.until, grace=self.grace)
 
@@ -221,4 +232,25 @@ BUG_REPORT_ABORT_AFTER_DEFERRED_LOAD_STARTED = Scenario(
      Abort(2, "R"), LoadDone(3, "R", "lmc"), LoadDone(5, "R", "nixl")),
     async_scheduling=True,
     defer_async_loads=True,
+)
+
+# vLLM 0.30+: NIXL's READ of R fails at 2 (failed_recving, and its blocks invalid) while the
+# stray LMCache load still writes R's blocks until 5 ...
+NIXL_FAILS_WHILE_LMCACHE_WRITES = Scenario(
+    BUG_REPORT, (BYSTANDER, REMOTE_R, LoadFailed(2, "R", "nixl"), LoadDone(5, "R", "lmc"))
+)
+# ... and the stray LMCache load fails at 2 while NIXL's READ runs until 5.
+LMCACHE_FAILS_WHILE_NIXL_WRITES = Scenario(
+    BUG_REPORT, (BYSTANDER, REMOTE_R, LoadFailed(2, "R", "lmc"), LoadDone(5, "R", "nixl"))
+)
+
+# No local prefix cache: both loads of R end at 2, R runs and is preempted at 4; its resume
+# starts a second load episode under the same id, from LMCache alone (NIXL pulls once per
+# request). NIXL reports R again at 6, a late report of the first episode; LMCache's second
+# load ends at 9.
+RESUME_LOAD_AFTER_PREEMPTION = Scenario(
+    BUG_REPORT,
+    (BYSTANDER, LONG_REMOTE_R, LoadDone(2, "R", "lmc"), LoadDone(2, "R", "nixl"),
+     Preempt(4, "R"), StrayReport(6, "R", "nixl"), LoadDone(9, "R", "lmc")),
+    prefix_caching=False,
 )

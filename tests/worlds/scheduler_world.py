@@ -76,6 +76,7 @@ from tests.worlds.timeline import (
     Arrive,
     Event,
     LoadDone,
+    LoadFailed,
     Preempt,
     SaveDone,
     Stop,
@@ -142,6 +143,13 @@ def _deferred_loads_kwargs(enabled: bool, num_blocks: int) -> dict:
     return {"hisparse_host_num_blocks": num_blocks}
 
 
+# vLLM 0.30+: a worker reports a failed async load in `failed_recving` (and, as for any
+# load, in `finished_recving`); 0.27-0.29 have no such field.
+FAILED_RECVS_SUPPORTED = any(
+    f.name == "failed_recving" for f in dataclasses.fields(KVConnectorOutput)
+)
+
+
 DRIVEN_CLASSES = (
     Scheduler,
     AsyncScheduler,
@@ -176,6 +184,8 @@ class Child:
     name: str
     kv_role: str = "kv_both"
     async_save: bool = False
+    # more kv_connector_extra_config for this child, e.g. (("bidirectional_kv_xfer", True),)
+    extra_config: tuple[tuple[str, object], ...] = ()
 
 
 def nixl_pull(name: str = "nixl") -> Child:
@@ -236,6 +246,7 @@ class StepRecord:
     scheduled: dict[str, int] = field(default_factory=dict)
     processed_batch: int | None = None
     delivered_recving: frozenset[str] = frozenset()
+    delivered_failed: frozenset[str] = frozenset()  # failed_recving (vLLM 0.30+)
     delivered_sending: frozenset[str] = frozenset()
     # (child, rank) -> (finished_sending, finished_recving), non-empty only
     worker_reports: dict[tuple[str, int], tuple[frozenset, frozenset]] = field(
@@ -297,6 +308,10 @@ class World:
     the scheduler defer async loads that are scheduled while a batch is in
     flight, as it does with a HiSparse KV cache: the load starts from
     `_drain_deferred_loads` when that batch is processed.
+
+    `prefix_caching=False` turns vLLM's local prefix cache off: a preempted
+    request's resume is no longer served from its own cached blocks, so a
+    cache child's hit starts a new async load under the same request id.
     """
 
     def __init__(
@@ -307,9 +322,11 @@ class World:
         num_blocks: int = 64,
         block_size: int = 16,
         defer_async_loads: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         self.children = list(children)
         self.tp = tp
+        self.prefix_caching = prefix_caching
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.step = -1
@@ -318,7 +335,7 @@ class World:
         self._scheduler_children: dict[str, object] = {}
         self._worker_children: dict[tuple[str, int], object] = {}
         self._hits: dict[tuple[str, str], int] = {}
-        self._due: dict[tuple[str, str, str, int], list[int]] = {}
+        self._due: dict[tuple[str, str, str, int], list[Event]] = {}
         self._strays: dict[tuple[str, str, int], list[tuple[int, str]]] = {}
         self._stops: set[str] = set()
         self._record: StepRecord | None = None
@@ -377,7 +394,8 @@ class World:
 
     # ------------------------------------------------------------------ setup
     def _child_config(self, child: Child, rank: int | None) -> dict:
-        extra = {"world": self._id, "name": child.name, "async_save": child.async_save}
+        extra = {**dict(child.extra_config), "world": self._id, "name": child.name,
+                 "async_save": child.async_save}
         if rank is not None:
             extra["tp_rank"] = rank
         return {
@@ -408,7 +426,9 @@ class World:
                 dtype="float32",
                 seed=0,
             ),
-            cache_config=CacheConfig(block_size=self.block_size),
+            cache_config=CacheConfig(
+                block_size=self.block_size, enable_prefix_caching=self.prefix_caching
+            ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16,
                 max_num_batched_tokens=MAX_MODEL_LEN,
@@ -450,12 +470,12 @@ class World:
         pending[:] = [(step, req) for step, req in pending if step > self.step]
         return due
 
-    def take_due(self, kind: str, req_id: str, child: str, rank: int) -> bool:
-        steps = self._due.get((kind, req_id, child, rank))
-        if not steps or steps[0] > self.step:
-            return False
-        steps.pop(0)
-        return True
+    def take_due(self, kind: str, req_id: str, child: str, rank: int) -> Event | None:
+        """The LoadDone/LoadFailed/SaveDone that ends this transfer now, if one is due."""
+        due = self._due.get((kind, req_id, child, rank))
+        if not due or due[0].step > self.step:
+            return None
+        return due.pop(0)
 
     def note_worker_report(self, child, sending: set[str], recving: set[str]) -> None:
         if sending or recving:
@@ -538,12 +558,14 @@ class World:
             if isinstance(event, Arrive):
                 for child, tokens in event.hits.items():
                     self._hits[(event.req, child)] = tokens
-            elif isinstance(event, (LoadDone, SaveDone)):
-                kind = "load" if isinstance(event, LoadDone) else "save"
+            elif isinstance(event, (LoadDone, LoadFailed, SaveDone)):
+                if isinstance(event, LoadFailed) and not FAILED_RECVS_SUPPORTED:
+                    raise ValueError("LoadFailed: this vLLM has no failed_recving (0.30+)")
+                kind = "save" if isinstance(event, SaveDone) else "load"
                 ranks = range(self.tp) if event.rank is None else [event.rank]
                 for rank in ranks:
                     self._due.setdefault((kind, event.req, event.child, rank), []).append(
-                        event.step
+                        event
                     )
             elif isinstance(event, StrayReport):
                 ranks = range(self.tp) if event.rank is None else [event.rank]
@@ -612,6 +634,7 @@ class World:
         kv_output = output.kv_connector_output
         self._record.processed_batch = batch_step
         self._record.delivered_recving = frozenset(kv_output.finished_recving or ())
+        self._record.delivered_failed = frozenset(getattr(kv_output, "failed_recving", None) or ())
         self._record.delivered_sending = frozenset(kv_output.finished_sending or ())
         engine_outputs = self._call(
             "update_from_output",

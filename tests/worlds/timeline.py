@@ -2,7 +2,7 @@
 
 A timeline is a list of these; `step` is the world tick the event belongs to.
 Arrivals, aborts and preemptions happen before that tick's `schedule()`;
-`LoadDone`/`SaveDone` say from which tick on a child's worker on a rank
+`LoadDone`/`LoadFailed`/`SaveDone` say from which tick on a child's worker on a rank
 reports the request (it reports at the first worker call at or after that
 tick in which it is actually loading/saving the request); `Stop` makes the
 model sample a stop token for the request in that tick. A new race is a new
@@ -35,6 +35,17 @@ class Arrive:
 @dataclass(frozen=True)
 class LoadDone:
     """Child `child` on TP rank `rank` (None: every rank) finishes loading `req`."""
+
+    step: int
+    req: str
+    child: str
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    """Child `child` on TP rank `rank` (None: every rank) ends its load of `req` in failure
+    (vLLM 0.30+: `failed_recving`, which is also in `finished_recving`)."""
 
     step: int
     req: str
@@ -94,4 +105,4 @@ class StrayReport:
     rank: int | None = None
 
 
-Event = Arrive | LoadDone | SaveDone | Stop | Abort | Preempt | StrayReport
+Event = Arrive | LoadDone | LoadFailed | SaveDone | Stop | Abort | Preempt | StrayReport

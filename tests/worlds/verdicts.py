@@ -27,8 +27,10 @@ def verdicts(result) -> tuple:
 
 
 def delivered_at(result, req_id: str, kind: str = "recv") -> list:
-    """Ticks at which the scheduler was told ``req_id`` finished (after aggregation)."""
-    attr = "delivered_recving" if kind == "recv" else "delivered_sending"
+    """Ticks at which the scheduler was told ``req_id`` finished (after aggregation);
+    ``kind="failed"``: told its load failed (``failed_recving``, vLLM 0.30+)."""
+    attr = {"recv": "delivered_recving", "send": "delivered_sending",
+            "failed": "delivered_failed"}[kind]
     return [s.step for s in result.steps if req_id in getattr(s, attr)]
 
 

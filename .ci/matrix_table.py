@@ -1,0 +1,75 @@
+"""Print the CI matrix: release x fix -> applied / skipped(reason), tests, wall time per leg.
+
+    python3 .ci/matrix_table.py OUT_DIR LEG...
+
+Reads what .ci/leg.sh left in OUT_DIR for each LEG (status-LEG.json, junit-LEG.xml,
+times-LEG.txt, result-LEG.txt). Stdlib only. Exit status 1 if a leg failed or left no record.
+"""
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def fixes_of(status_text: str | None) -> tuple[str, dict[str, str]]:
+    if not status_text:
+        return "?", {}
+    try:
+        status = json.loads(status_text)
+    except ValueError:
+        return "?", {}
+    decisions = {
+        f["fix"]: "applied" if f["apply"] else f"skipped({f['reason']})" for f in status.get("fixes", [])
+    }
+    return (status.get("vllm") or {}).get("version") or "?", decisions
+
+
+def tests_of(junit_text: str | None) -> str:
+    if not junit_text:
+        return "no junit"
+    root = ET.fromstring(junit_text)
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    passed = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    return f"{passed} passed, {total['failures'] + total['errors']} failed, {total['skipped']} skipped"
+
+
+def main(out: Path, legs: list[str]) -> int:
+    rows = []
+    fix_names: list[str] = []
+    bad = False
+    for leg in legs:
+        release, decisions = fixes_of(read(out / f"status-{leg}.json"))
+        for name in decisions:
+            if name not in fix_names:
+                fix_names.append(name)
+        times = dict(
+            line.split(" ", 1) for line in (read(out / f"times-{leg}.txt") or "").splitlines() if " " in line
+        )
+        result = (read(out / f"result-{leg}.txt") or "no record").strip()
+        bad |= result != "ok"
+        rows.append((leg, release, decisions, tests_of(read(out / f"junit-{leg}.xml")),
+                     f"{times.get('build', '?')} s", f"{times.get('tests', '?')} s", result))
+    header = ["leg", "release", *fix_names, "tests", "venv", "run", "result"]
+    table = [header] + [
+        [leg, release, *(d.get(f, "-") for f in fix_names), tests, build, run, result]
+        for leg, release, d, tests, build, run, result in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    print("== release matrix")
+    for i, r in enumerate(table):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2:]))
