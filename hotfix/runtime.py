@@ -30,6 +30,15 @@ def argument(args: tuple, kwargs: dict, index: int, name: str):
     return args[index]
 
 
+def state_of(instance, name: str, factory):
+    """Per-instance fix state kept in ``instance.__dict__[name]``, created on first use: vLLM
+    builds its connectors before any hook could add state in ``__init__``."""
+    state = instance.__dict__.get(name)
+    if state is None:
+        state = instance.__dict__[name] = factory()
+    return state
+
+
 def violation(message: str) -> None:
     """Raise :class:`Violation` under ``HOTFIX_STRICT=1`` (after the caller logged it)."""
     if config.strict():

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Set, Tuple
 
+from hotfix.runtime import state_of
+
 RECV = "recv"  # the scheduler waits for finished_recving (abort while WAITING_FOR_REMOTE_KVS)
 SAVE = "save"  # the connector (MultiConnector: all its savers) owes one finished_sending
 PULL = "pull"  # pull-pin: a NIXL READ into the blocks may still run
@@ -61,7 +63,4 @@ class HoldLedger:
 
 def ledger_of(scheduler) -> HoldLedger:
     """The ledger of one Scheduler instance (created on first use)."""
-    ledger = scheduler.__dict__.get("_hotfix_holds")
-    if ledger is None:
-        ledger = scheduler.__dict__["_hotfix_holds"] = HoldLedger()
-    return ledger
+    return state_of(scheduler, "_hotfix_holds", HoldLedger)

@@ -23,7 +23,7 @@ import contextvars
 from typing import Dict, List
 
 from hotfix import status
-from hotfix.runtime import argument, contain
+from hotfix.runtime import argument, contain, state_of
 from hotfix.registry import LEAVE, FixSpec, Shape, Target
 
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
@@ -131,10 +131,7 @@ _BLOCK_POOL: contextvars.ContextVar = contextvars.ContextVar("hotfix_pull_pin_po
 
 
 def _book(nixl_scheduler) -> PinBook:
-    book = nixl_scheduler.__dict__.get("_hotfix_pins")
-    if book is None:
-        book = nixl_scheduler.__dict__["_hotfix_pins"] = PinBook()
-    return book
+    return state_of(nixl_scheduler, "_hotfix_pins", PinBook)
 
 
 def _block_ids(block_ids) -> set:
@@ -208,12 +205,17 @@ def lend_block_pool(wrapped, instance, args, kwargs):
 # Worker side
 # ---------------------------------------------------------------------------------------
 
+def _no_reads() -> dict:
+    """Reads NIXL reported terminal: ``done`` (to ship), ``unsettled`` (handles still open)."""
+    return {"done": set(), "unsettled": set()}
+
+
 def note_terminal_reads(wrapped, instance, args, kwargs):
     """Record what NIXL itself reports finished (done or failed) with no handle left."""
     result = wrapped(*args, **kwargs)
     try:
         recving = result[1] if isinstance(result, tuple) else result.finished_recving
-        state = instance.__dict__.setdefault("_hotfix_reads", {"done": set(), "unsettled": set()})
+        state = state_of(instance, "_hotfix_reads", _no_reads)  # no allocation once it exists
         handles = getattr(instance.connector_worker, "_recving_transfers", None) or {}
         state["unsettled"].update(recving or ())
         settled = {r for r in state["unsettled"] if not handles.get(r)}

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Set
 
 from hotfix import log, status
-from hotfix.runtime import argument, contain
+from hotfix.runtime import argument, contain, state_of
 from hotfix.registry import LEAVE, FixSpec, Shape, Target
 
 _MC = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
@@ -151,13 +151,6 @@ class LoadBarrier:
 _PLANS_ATTR = "hotfix_load_plans"  # on MultiKVConnectorMetadata; pickled with it
 
 
-def _state(instance, name: str, factory):
-    state = instance.__dict__.get(name)
-    if state is None:
-        state = instance.__dict__[name] = factory()
-    return state
-
-
 def plan_async_loads(wrapped, instance, args, kwargs):
     """Remember which child the scheduler chose to load R (``update_state_after_alloc``)."""
     result = wrapped(*args, **kwargs)
@@ -166,7 +159,7 @@ def plan_async_loads(wrapped, instance, args, kwargs):
         if argument(args, kwargs, 2, "num_external_tokens") > 0:
             chosen = instance._requests_to_connector.get(request.request_id)
             if chosen is not None:
-                _state(instance, "_hotfix_unshipped_plans", dict)[request.request_id] = (chosen, request)
+                state_of(instance, "_hotfix_unshipped_plans", dict)[request.request_id] = (chosen, request)
     except Exception as exc:
         _degrade_scheduler(instance, "MultiConnector.update_state_after_alloc", exc)
     return result
@@ -180,7 +173,7 @@ def ship_load_plans(wrapped, instance, args, kwargs):
     try:
         from vllm.v1.request import RequestStatus
 
-        unshipped = _state(instance, "_hotfix_unshipped_plans", dict)
+        unshipped = state_of(instance, "_hotfix_unshipped_plans", dict)
         plans = {
             req_id: chosen
             for req_id, (chosen, request) in unshipped.items()
@@ -228,7 +221,7 @@ def _has_blocks(block_ids) -> bool:
 def learn_loaders_at_bind(wrapped, instance, args, kwargs):
     """Open episodes from the scheduler's plans and from what each child starts loading."""
     result = wrapped(*args, **kwargs)
-    barrier = _state(instance, "_hotfix_barrier", LoadBarrier)
+    barrier = state_of(instance, "_hotfix_barrier", LoadBarrier)
     if instance.__dict__.get("_hotfix_degraded"):
         return result
     try:
@@ -282,7 +275,7 @@ def release_when_all_loaders_done(wrapped, instance, args, kwargs):
 def _apply_barrier(instance, taps, result):
     if not any(tap.recving or tap.failed for tap in taps):
         return result  # the common step: no child finished a load
-    barrier = _state(instance, "_hotfix_barrier", LoadBarrier)
+    barrier = state_of(instance, "_hotfix_barrier", LoadBarrier)
     forward: Set[str] = set()
     forward_failed: Set[str] = set()
     for index, tap in enumerate(taps):
