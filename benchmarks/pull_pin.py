@@ -63,20 +63,35 @@ def pinned_ticks() -> None:
 
 
 def wrapper_costs() -> None:
+    """Per-step cost of the wrapped calls once the halves agreed (the common step: nothing
+    to confirm, nothing to announce), stock vs fixed; plus the handshake's stamp."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+
+    from hotfix.fixes import pull_pin
+    from hotfix.halves import AGREED
 
     concrete = type("Worker", (KVConnectorBase_V1,),
                     {name: lambda *a, **k: None for name in KVConnectorBase_V1.__abstractmethods__})
     worker = object.__new__(concrete)
+    reads = worker.__dict__["_hotfix_reads"] = pull_pin._WorkerReads()
+    reads.half.state = AGREED
     sched = object.__new__(NixlBaseConnectorScheduler)
     sched._heartbeat_req_engine = {}
     sched._heartbeat_by_engine = {}
+    sched.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
+    sched.build_connector_meta = lambda scheduler_output: SimpleNamespace()
+    pull_pin._scheduler_half(sched).state = AGREED
+    facade = object.__new__(type("Nixl", (NixlBaseConnector,), {
+        name: lambda *a, **k: None for name in NixlBaseConnector.__abstractmethods__}))
+    facade.connector_scheduler = sched
     output = SimpleNamespace(finished_recving=None, kv_connector_worker_meta=None)
     rows = []
     for label, call in (("build_connector_worker_meta",
                          lambda: worker.build_connector_worker_meta()),
-                        ("update_connector_output", lambda: sched.update_connector_output(output))):
+                        ("update_connector_output", lambda: sched.update_connector_output(output)),
+                        ("build_connector_meta (stamp)", lambda: facade.build_connector_meta(None))):
         stock = per_call_us(call)
         act = applied("pull-pin")
         try:

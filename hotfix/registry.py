@@ -259,6 +259,9 @@ class Activation:
                           reason=f"revert failed: {exc}")
             fix.handles.pop(key, None)
         fix.state, fix.reason = REVERTED, reason
+        from hotfix import status
+
+        status.undegrade(fix.spec.id)
         return undone
 
     def apply_now(self) -> "Activation":

@@ -17,6 +17,7 @@ from collections import Counter
 FLUSH_INTERVAL_S = 10.0
 
 _counters: Counter = Counter()
+_degraded: dict = {}  # fix -> reason; one entry per fix at most
 _lock = threading.Lock()
 _last_flush = 0.0
 
@@ -35,6 +36,30 @@ def count(fix: str, kind: str, n: int = 1) -> None:
             write(act)
 
 
+def degrade(fix: str, reason: str) -> None:
+    """``fix`` runs as stock in this process (a half is missing); shown in the status file."""
+    with _lock:
+        first = fix not in _degraded
+        _degraded.setdefault(fix, reason)
+    if first:
+        from hotfix import registry
+
+        act = registry.activation()
+        if act is not None:
+            write(act)
+
+
+def undegrade(fix: str) -> None:
+    """The fix was reverted in this process: it is no longer running degraded."""
+    with _lock:
+        _degraded.pop(fix, None)
+
+
+def degraded() -> dict:
+    with _lock:
+        return dict(_degraded)
+
+
 def counters() -> dict:
     """``{fix: {kind: n}}`` of this process."""
     with _lock:
@@ -47,13 +72,17 @@ def counters() -> dict:
 def snapshot(act) -> dict:
     from hotfix import __version__, log, registry
 
+    fixes = act.snapshot()
+    for fix, reason in degraded().items():
+        if fix in fixes and fixes[fix]["state"] == "applied":
+            fixes[fix] = {**fixes[fix], "state": "degraded", "reason": reason}
     return {
         "pid": os.getpid(),
         "role": log.role(),
         "activated_by": act.source,
         "hotfix_version": __version__,
         "vllm_version": registry.vllm_version(),
-        "fixes": act.snapshot(),
+        "fixes": fixes,
         "counters": counters(),
         "written_at": time.time(),
     }

@@ -1,4 +1,4 @@
-"""pull-pin's bookkeeping on its own (no vLLM): confirmations per rank, aggregation."""
+"""pull-pin's bookkeeping on its own (no vLLM): confirmations per rank and epoch, aggregation."""
 from __future__ import annotations
 
 from hotfix.fixes.pull_pin import PinBook, ReadsConfirmed, _Pin
@@ -6,25 +6,59 @@ from hotfix.fixes.pull_pin import PinBook, ReadsConfirmed, _Pin
 
 def test_a_pin_is_released_only_when_every_rank_confirmed():
     book = PinBook()
-    book.add("R", _Pin(["b1", "b2"], expected=2))
-    assert book.confirm("R", 1) is False and book.pinned("R")
-    assert book.confirm("R", 1) is True and not book.pinned("R")
-    assert [p.blocks for p in book.ready] == [["b1", "b2"]]
+    book.add("R", _Pin((["b1", "b2"],), epoch=1))
+    assert book.confirm("R", "rank0", epoch=3, ranks=2) == 0 and book.pinned("R")
+    assert book.confirm("R", "rank0", epoch=4, ranks=2) == 0, "one rank twice is still one rank"
+    assert book.confirm("R", "rank1", epoch=5, ranks=2) == 1 and not book.pinned("R")
+    assert [p.groups for p in book.ready] == [(["b1", "b2"],)]
+
+
+def test_a_pin_waits_for_every_pipeline_stage_not_only_the_tp_ranks():
+    """PP=2 x TP=2: four workers each run a part of the READ (world_size, not TP)."""
+    book = PinBook()
+    book.add("R", _Pin((["b"],), epoch=1))
+    for rank in ("pp0tp0", "pp0tp1", "pp1tp0"):
+        assert book.confirm("R", rank, epoch=2, ranks=4) == 0
+    assert book.confirm("R", "pp1tp1", epoch=2, ranks=4) == 1
 
 
 def test_confirmation_for_an_unpinned_request_is_ignored():
     book = PinBook()
-    assert book.confirm("notify-only", 2) is False and book.ready == []
+    assert book.confirm("notify-only", "rank0", epoch=1, ranks=1) == 0 and book.ready == []
 
 
-def test_two_reads_of_one_request_are_released_oldest_first():
+def test_two_reads_under_one_request_id_are_each_released_by_the_report_that_covers_them():
+    """An early free, then the same id again (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1)."""
     book = PinBook()
-    book.add("R", _Pin(["old"], expected=1))
-    book.add("R", _Pin(["new"], expected=1))
-    book.confirm("R", 1)
-    assert [p.blocks for p in book.ready] == [["old"]] and len(book) == 1
+    book.add("R", _Pin((["first"],), epoch=2))
+    book.add("R", _Pin((["second"],), epoch=7))
+    # NIXL's report at epoch 5 covers only the READ bound at 2: the second is not yet bound.
+    assert book.confirm("R", "rank0", epoch=5, ranks=1) == 1
+    assert [p.groups for p in book.ready] == [(["first"],)] and book.pinned("R")
+    # The next report of R (epoch 9) covers the second READ: nothing stays pinned.
+    assert book.confirm("R", "rank0", epoch=9, ranks=1) == 1 and not book.pinned("R")
+    assert len(book) == 2  # both wait in `ready` for a pool
 
 
-def test_worker_confirmations_sum_over_ranks():
-    merged = ReadsConfirmed({"R": 1, "S": 1}).aggregate(ReadsConfirmed({"R": 1}))
-    assert merged.counts == {"R": 2, "S": 1}
+def test_one_merged_report_covers_two_reads_that_overlapped():
+    book = PinBook()
+    book.add("R", _Pin((["first"],), epoch=2))
+    book.add("R", _Pin((["second"],), epoch=3))
+    assert book.confirm("R", "rank0", epoch=6, ranks=1) == 2 and not book.pinned("R")
+
+
+def test_a_failed_handshake_sends_every_provisional_pin_back():
+    book = PinBook()
+    book.add("R", _Pin((["a"], ["host-a"]), epoch=1))
+    book.add("S", _Pin((["b"], []), epoch=1))
+    book.release_all()
+    assert not book.pinned("R") and not book.pinned("S") and len(book.ready) == 2
+
+
+def test_worker_confirmations_and_announcements_merge_over_ranks():
+    rank0 = ReadsConfirmed({"R": {"t0": 4}, "S": {"t0": 4}}, {"pull-pin": frozenset({"t0"})})
+    rank1 = ReadsConfirmed({"R": {"t1": 4}}, {"pull-pin": frozenset({"t1"})})
+    merged = rank0.aggregate(rank1)
+    assert merged.confirmed == {"R": {"t0": 4, "t1": 4}, "S": {"t0": 4}}
+    assert merged.hotfix_present == {"pull-pin": frozenset({"t0", "t1"})}
+    assert rank0.confirmed == {"R": {"t0": 4}, "S": {"t0": 4}}, "aggregate must not mutate"

@@ -13,16 +13,24 @@ make MultiConnector count NIXL as an async save, vllm-targets.md §0.4 pitfall 5
   abort, preemption, load-failure handling), those blocks stay out of the free queue;
 - worker side, NIXL's *own* terminal report of R (done or failed, no handle left) is sent
   to the scheduler in ``kv_connector_worker_meta``, which survives TP aggregation;
-- when every TP rank confirmed, the references are dropped (``BlockPool.free_blocks``).
-No timer ever drops a pin. It works alone and with the other fixes; it holds no request
-state, so it needs no hold-ledger entry and composes with bidirectional transfer.
+- when every worker rank (PP x TP x PCP: each runs its part of the READ) confirmed, the
+  references are dropped, per KV-cache group, into the pool that owns the group's blocks.
+The halves agree first (``hotfix.halves``): no pin is taken before every worker rank
+announced its half, and no worker sends our metadata to an EngineCore that did not
+announce its own; a missing half leaves NIXL exactly stock in that engine. Confirmations
+carry the stamp epoch the worker had bound, so two READs under one request id (an early
+free, then the id again) are each released by the report that covers them. While pins
+exist the engine keeps stepping (``Scheduler.has_requests``), so an idle engine still
+hears NIXL's reports and releases within one step. No timer ever drops a pin. It holds no
+request state, so it needs no hold-ledger entry and composes with bidirectional transfer.
 """
 from __future__ import annotations
 
 import contextvars
-from typing import Dict, List
+from typing import Dict, FrozenSet, List
 
 from hotfix import status
+from hotfix.halves import SchedulerHalf, WorkerHalf, merge_presence
 from hotfix.runtime import argument, contain, state_of
 from hotfix.registry import LEAVE, FixSpec, Shape, Target
 
@@ -39,11 +47,17 @@ SPEC = FixSpec(
                "pin_blocks_of_real_reads", "engine_core",
                {"5b95cfaa8f8d358e": Shape("0.27.0-0.28.0"), "17bba4b6576911f0": Shape("0.29.0"),
                 "c490edd3f45db800": Shape("0.30.0-0.33.0")}),
+        Target(f"{_NIXL}.connector", "NixlBaseConnector.build_connector_meta",
+               "stamp_the_scheduler_half", "engine_core", {"0d4a615e13939e19": Shape("0.27.0-0.33.0")}),
         Target(f"{_NIXL}.base_scheduler", "NixlBaseConnectorScheduler.update_connector_output",
                "unpin_when_every_rank_confirmed", "engine_core",
                {"3a4a7f3be1b34144": Shape("0.27.0-0.33.0")}),
-        Target(_SCHED, "Scheduler._update_from_kv_xfer_finished", "lend_block_pool", "engine_core",
-               {"258ebbc0d940084d": Shape("0.27.0-0.31.0"), "10edd450e3d6daa5": Shape("0.32.0-0.33.0")}),
+        Target(_SCHED, "Scheduler.update_from_output", "settle_halves_and_release_pins", "engine_core",
+               {"0c4d8106750d2ea2": Shape("0.27.0-0.27.1"), "3a952ef59c38a3a4": Shape("0.28.0"),
+                "8df892460283ad44": Shape("0.29.0"), "23fcfb3d9c376cee": Shape("0.30.0"),
+                "79e6face830f7fb1": Shape("0.31.0-0.32.0"), "cbfde91b6fe16ae7": Shape("0.33.0")}),
+        Target(_SCHED, "Scheduler.has_requests", "keep_stepping_while_pinned", "engine_core",
+               {"c8820a96bd59eaaa": Shape("0.27.0-0.33.0")}),
         Target("vllm.v1.core.block_pool", "BlockPool.free_blocks", "", "engine_core",
                {"bcc09ebb07f7af42": Shape("0.27.0-0.27.1", LEAVE), "1e2af14b39d63d1b": Shape("0.28.0-0.29.0", LEAVE),
                 "10f5c8a60ecccb38": Shape("0.30.0-0.32.0", LEAVE), "56430160427df640": Shape("0.33.0", LEAVE)}),
@@ -65,101 +79,126 @@ FIX = SPEC.id
 
 
 class ReadsConfirmed:
-    """Worker → scheduler: NIXL's own terminal reports, per request, summed over TP ranks.
+    """Worker → scheduler: NIXL's own terminal reports and the worker halves present.
 
-    Travels as (part of) ``kv_connector_worker_meta``; ``KVOutputAggregator`` and
-    ``MultiKVConnectorWorkerMetadata`` combine ranks with :meth:`aggregate`.
+    ``confirmed`` maps a request id to ``{rank token: stamp epoch}``: that rank's NIXL has no
+    handle of R left, covering every READ of R bound up to that epoch. ``hotfix_present`` is
+    the handshake's announcement (``hotfix.halves``). Travels as NIXL's slot of
+    ``kv_connector_worker_meta`` (stock NIXL sends None there, so an unpatched rank's output
+    merges with ours); ``KVOutputAggregator`` and ``MultiKVConnectorWorkerMetadata`` combine
+    ranks with :meth:`aggregate`.
     """
 
-    def __init__(self, counts: Dict[str, int]) -> None:
-        self.counts = dict(counts)
+    def __init__(self, confirmed: Dict[str, Dict[str, int]],
+                 present: Dict[str, FrozenSet[str]]) -> None:
+        self.confirmed = confirmed
+        self.hotfix_present = present
 
     def aggregate(self, other: "ReadsConfirmed") -> "ReadsConfirmed":
-        merged = dict(self.counts)
-        for req_id, n in getattr(other, "counts", {}).items():
-            merged[req_id] = merged.get(req_id, 0) + n
-        return ReadsConfirmed(merged)
+        merged = {req_id: dict(ranks) for req_id, ranks in self.confirmed.items()}
+        for req_id, ranks in (getattr(other, "confirmed", None) or {}).items():
+            merged.setdefault(req_id, {}).update(ranks)
+        return ReadsConfirmed(merged, merge_presence(self.hotfix_present, other))
 
 
 class _Pin:
-    __slots__ = ("blocks", "expected", "confirmed")
+    __slots__ = ("groups", "epoch", "confirmed_by")
 
-    def __init__(self, blocks: list, expected: int) -> None:
-        self.blocks = blocks  # KVCacheBlock objects the READ writes into
-        self.expected = expected  # TP ranks that each run a part of the READ
-        self.confirmed = 0
+    def __init__(self, groups: tuple, epoch: int) -> None:
+        self.groups = groups  # per KV-cache group: the KVCacheBlock objects the READ writes
+        self.epoch = epoch  # the stamp epoch of the metadata that carries this READ
+        self.confirmed_by: set = set()  # rank tokens whose NIXL reported the READ terminal
 
 
 class PinBook:
-    """Per NIXL scheduler: the open pins by request, oldest first; bounded by the pool size
-    (a pin holds at least one block, and blocks are finite)."""
+    """Per NIXL scheduler: the open pins by request id, oldest first.
+
+    Lifecycle of a pin: :meth:`add` when NIXL queues a READ; :meth:`confirm` by each rank's
+    terminal report that covers it (a report at epoch ``e`` covers the READs bound up to
+    ``e``); once every rank confirmed it moves to ``ready`` and is released into its pools.
+    Bounded by the block pool: every pin holds at least one block.
+    """
 
     def __init__(self) -> None:
         self._pins: Dict[str, List[_Pin]] = {}
         self.ready: List[_Pin] = []  # confirmed, waiting for a block pool to release into
 
     def __len__(self) -> int:
-        return sum(len(p) for p in self._pins.values())
+        return sum(len(p) for p in self._pins.values()) + len(self.ready)
 
     def pinned(self, req_id: str) -> bool:
         return bool(self._pins.get(req_id))
 
+    def release_all(self) -> None:
+        """The handshake failed: every provisional pin goes back (stock behaviour)."""
+        for pins in self._pins.values():
+            self.ready.extend(pins)
+        self._pins.clear()
+
     def add(self, req_id: str, pin: _Pin) -> None:
         self._pins.setdefault(req_id, []).append(pin)
 
-    def confirm(self, req_id: str, ranks: int) -> bool:
-        """``ranks`` more ranks finished R's oldest READ; True if that READ is now released."""
+    def confirm(self, req_id: str, rank: str, epoch: int, ranks: int) -> int:
+        """Rank ``rank`` reported R terminal at ``epoch``; returns how many pins became ready."""
         pins = self._pins.get(req_id)
         if not pins:
-            return False
-        pin = pins[0]
-        pin.confirmed += ranks
-        if pin.confirmed < pin.expected:
-            return False
-        pins.pop(0)
-        if not pins:
+            return 0
+        still = []
+        for pin in pins:
+            if pin.epoch <= epoch:
+                pin.confirmed_by.add(rank)
+            if len(pin.confirmed_by) >= ranks:
+                self.ready.append(pin)
+            else:
+                still.append(pin)
+        released = len(pins) - len(still)
+        if still:
+            self._pins[req_id] = still
+        else:
             del self._pins[req_id]
-        self.ready.append(pin)
-        return True
+        return released
 
 
 # ---------------------------------------------------------------------------------------
 # Scheduler side (EngineCore)
 # ---------------------------------------------------------------------------------------
 
-_BLOCK_POOL: contextvars.ContextVar = contextvars.ContextVar("hotfix_pull_pin_pool", default=None)
+_KV_CACHE_MANAGER: contextvars.ContextVar = contextvars.ContextVar("hotfix_pull_pin_kv", default=None)
 
 
 def _book(nixl_scheduler) -> PinBook:
     return state_of(nixl_scheduler, "_hotfix_pins", PinBook)
 
 
-def _block_ids(block_ids) -> set:
-    """NIXL's local block ids: one list per KV-cache group (or a flat list)."""
-    ids = set()
-    for group in block_ids or ():
-        if isinstance(group, (list, tuple)):
-            ids.update(group)
-        else:
-            ids.add(group)
-    return ids
+def _scheduler_half(nixl_scheduler) -> SchedulerHalf:
+    return state_of(nixl_scheduler, "_hotfix_half", lambda: SchedulerHalf(
+        FIX, nixl_scheduler.vllm_config.parallel_config.world_size))
+
+
+def _targets_per_group(local_block_ids, groups: int) -> list:
+    """NIXL's local block ids as one set per KV-cache group (ids are unique only in a group)."""
+    ids = list(local_block_ids or ())
+    if ids and not isinstance(ids[0], (list, tuple)):
+        ids = [ids]  # a flat list: one group
+    return [set(ids[g]) if g < len(ids) else set() for g in range(groups)]
 
 
 def pin_blocks_of_real_reads(wrapped, instance, args, kwargs):
     """NIXL queued a READ into R's blocks: one more reference on each, until NIXL is done."""
     result = wrapped(*args, **kwargs)
     try:
+        half = _scheduler_half(instance)
         request = argument(args, kwargs, 0, "request")
-        if argument(args, kwargs, 2, "num_external_tokens") > 0:
+        if half.may_act and argument(args, kwargs, 2, "num_external_tokens") > 0:
             entry = instance._reqs_need_recv.get(request.request_id)
-            targets = _block_ids(entry[1]) if entry else set()
-            if targets:
-                blocks = [b for group in argument(args, kwargs, 1, "blocks").blocks for b in group
-                          if b.block_id in targets and not b.is_null]
-                for block in blocks:  # allocated to R right now, so never in the free queue
-                    block.ref_cnt += 1
-                tp = instance.vllm_config.parallel_config.tensor_parallel_size
-                _book(instance).add(request.request_id, _Pin(blocks, tp))
+            per_group = argument(args, kwargs, 1, "blocks").blocks
+            targets = _targets_per_group(entry[1] if entry else (), len(per_group))
+            groups = tuple([b for b in blocks if b.block_id in wanted and not b.is_null]
+                           for blocks, wanted in zip(per_group, targets))
+            if any(groups):
+                for block in (b for group in groups for b in group):
+                    block.ref_cnt += 1  # allocated to R right now, so never in the free queue
+                _book(instance).add(request.request_id, _Pin(groups, half.epoch + 1))
                 _count("pinned")
     except Exception as exc:
         contain(FIX, "NixlPullConnectorScheduler.update_state_after_alloc", exc,
@@ -167,14 +206,30 @@ def pin_blocks_of_real_reads(wrapped, instance, args, kwargs):
     return result
 
 
+def stamp_the_scheduler_half(wrapped, instance, args, kwargs):
+    """Every step's NIXL metadata says the EngineCore's half is here (and agreed or not)."""
+    metadata = wrapped(*args, **kwargs)
+    try:
+        scheduler = instance.connector_scheduler
+        if scheduler is not None:
+            _scheduler_half(scheduler).stamp(metadata)
+    except Exception as exc:
+        contain(FIX, "NixlBaseConnector.build_connector_meta", exc,
+                fallback="no stamp this step (workers stay stock)")
+    return metadata
+
+
 def unpin_when_every_rank_confirmed(wrapped, instance, args, kwargs):
-    """NIXL's workers confirmed R's READ terminal on every rank: drop the pin."""
+    """The workers' halves answered: decide the handshake, then drop confirmed pins."""
     try:
         meta = getattr(argument(args, kwargs, 0, "connector_output"), "kv_connector_worker_meta", None)
-        if isinstance(meta, ReadsConfirmed):
+        half = _scheduler_half(instance)
+        half.heard(meta)
+        if half.may_act and isinstance(meta, ReadsConfirmed) and meta.confirmed:
             book = _book(instance)
-            for req_id, ranks in meta.counts.items():
-                book.confirm(req_id, ranks)
+            for req_id, ranks in meta.confirmed.items():
+                for rank, epoch in ranks.items():
+                    book.confirm(req_id, rank, epoch, half.ranks)
             _release_ready(book)
     except Exception as exc:
         contain(FIX, "NixlBaseConnectorScheduler.update_connector_output", exc,
@@ -183,44 +238,103 @@ def unpin_when_every_rank_confirmed(wrapped, instance, args, kwargs):
 
 
 def _release_ready(book: PinBook) -> None:
-    pool = _BLOCK_POOL.get()
-    if pool is None:
-        return  # released on the next call that lends us the pool
+    manager = _KV_CACHE_MANAGER.get()
+    if manager is None:
+        return  # released on the next call that lends us the pools
     while book.ready:
         pin = book.ready.pop()
-        pool.free_blocks(pin.blocks)
+        for group, blocks in enumerate(pin.groups):
+            if blocks:
+                _pool_of_group(manager, group).free_blocks(blocks)
         _count("released")
 
 
-def lend_block_pool(wrapped, instance, args, kwargs):
-    """NIXL's scheduler learns of confirmations inside this call; let it release into the pool."""
-    token = _BLOCK_POOL.set(instance.kv_cache_manager.block_pool)
+def _pool_of_group(manager, group: int):
+    """The pool that owns a group's blocks (0.33: a HiSparse group has a pool of its own)."""
+    managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", None)
+    if managers and group < len(managers):
+        return managers[group].block_pool
+    return manager.block_pool
+
+
+def settle_halves_and_release_pins(wrapped, instance, args, kwargs):
+    """NIXL's scheduler learns of confirmations inside this call: lend it the pools. After
+    the first output, a handshake nobody answered is degraded and its provisional pins go."""
+    token = _KV_CACHE_MANAGER.set(instance.kv_cache_manager)
     try:
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            for nixl_scheduler in _nixl_schedulers(instance.connector):
+                half = _scheduler_half(nixl_scheduler)
+                half.heard(None)  # no-op once decided
+                if not half.may_act:
+                    book = _book(nixl_scheduler)
+                    book.release_all()
+                    _release_ready(book)
+        except Exception as exc:
+            contain(FIX, "Scheduler.update_from_output", exc,
+                    fallback="pins kept until the next output")
+        return result
     finally:
-        _BLOCK_POOL.reset(token)
+        _KV_CACHE_MANAGER.reset(token)
+
+
+def keep_stepping_while_pinned(wrapped, instance, args, kwargs):
+    """An idle engine keeps stepping while we hold blocks, so NIXL's reports still arrive
+    (as vLLM does for its own delayed frees); it stops once nothing is pinned."""
+    if wrapped(*args, **kwargs):
+        return True
+    try:
+        return any(len(nixl_scheduler.__dict__.get("_hotfix_pins") or ())
+                   for nixl_scheduler in _nixl_schedulers(instance.connector))
+    except Exception as exc:
+        contain(FIX, "Scheduler.has_requests", exc, fallback="stock answer (pins wait for traffic)")
+        return False
+
+
+def _nixl_schedulers(connector) -> list:
+    """The NIXL scheduler objects under a connector (MultiConnector or NIXL itself)."""
+    if connector is None:
+        return []
+    found = []
+    for child in getattr(connector, "_connectors", None) or (connector,):
+        nixl_scheduler = getattr(child, "connector_scheduler", None)
+        if nixl_scheduler is not None and hasattr(nixl_scheduler, "_reqs_need_recv"):
+            found.append(nixl_scheduler)
+    return found
 
 
 # ---------------------------------------------------------------------------------------
 # Worker side
 # ---------------------------------------------------------------------------------------
 
-def _no_reads() -> dict:
-    """Reads NIXL reported terminal: ``done`` (to ship), ``unsettled`` (handles still open)."""
-    return {"done": set(), "unsettled": set()}
+class _WorkerReads:
+    """One rank's NIXL reports: ``unsettled`` (handles still open), ``done`` (to ship)."""
+
+    __slots__ = ("half", "unsettled", "done")
+
+    def __init__(self) -> None:
+        self.half = WorkerHalf(FIX)
+        self.unsettled: set = set()
+        self.done: Dict[str, int] = {}  # req_id -> stamp epoch it was settled at
 
 
 def note_terminal_reads(wrapped, instance, args, kwargs):
     """Record what NIXL itself reports finished (done or failed) with no handle left."""
     result = wrapped(*args, **kwargs)
     try:
-        recving = result[1] if isinstance(result, tuple) else result.finished_recving
-        state = state_of(instance, "_hotfix_reads", _no_reads)  # no allocation once it exists
-        handles = getattr(instance.connector_worker, "_recving_transfers", None) or {}
-        state["unsettled"].update(recving or ())
-        settled = {r for r in state["unsettled"] if not handles.get(r)}
-        state["unsettled"] -= settled
-        state["done"] |= settled
+        reads = state_of(instance, "_hotfix_reads", _WorkerReads)
+        metadata = getattr(instance, "_connector_metadata", None)
+        if metadata is not None:
+            reads.half.bound(metadata)
+        if reads.half.may_ship:
+            recving = result[1] if isinstance(result, tuple) else result.finished_recving
+            handles = getattr(instance.connector_worker, "_recving_transfers", None) or {}
+            reads.unsettled.update(recving or ())
+            settled = {r for r in reads.unsettled if not handles.get(r)}
+            reads.unsettled -= settled
+            for req_id in settled:
+                reads.done[req_id] = reads.half.epoch
     except Exception as exc:
         contain(FIX, "NixlBaseConnector worker entry point", exc,
                 fallback="confirmation delayed (blocks stay pinned)")
@@ -228,13 +342,18 @@ def note_terminal_reads(wrapped, instance, args, kwargs):
 
 
 def report_terminal_reads(wrapped, instance, args, kwargs):
-    """Ship this step's confirmations; the base method (NIXL's) returns no metadata itself."""
+    """Ship this step's confirmations and announcement, only to an EngineCore that announced
+    it reads them; the base method (NIXL's) returns no metadata itself."""
     meta = wrapped(*args, **kwargs)
-    state = instance.__dict__.get("_hotfix_reads")
-    if meta is None and state and state["done"]:
-        done, state["done"] = state["done"], set()
-        return ReadsConfirmed({req_id: 1 for req_id in done})
-    return meta
+    reads = instance.__dict__.get("_hotfix_reads")
+    if meta is not None or reads is None or not reads.half.may_ship:
+        return meta
+    present = reads.half.presence()
+    if not present and not reads.done:
+        return meta
+    done, reads.done = reads.done, {}
+    token = reads.half.token
+    return ReadsConfirmed({req_id: {token: epoch} for req_id, epoch in done.items()}, present)
 
 
 def _count(kind: str) -> None:

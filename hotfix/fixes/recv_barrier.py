@@ -17,6 +17,12 @@ connector):
   absorbed, logged once per child class and counted.
 D5 follows: the scheduler's merged completions now name R only when every loader of R on
 every rank is done, so what ``update_connector_output`` hands NIXL is true for NIXL too.
+
+The halves agree first (``hotfix.halves``): the scheduler stamps each step's metadata, every
+worker rank answers in ``kv_connector_worker_meta`` (a ``MultiKVConnectorWorkerMetadata``
+that also carries the answer, so an unpatched rank's metadata still merges with it), and if
+a rank does not answer the scheduler stops shipping plans: every worker is stock again, not
+some ranks barriered and others not.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from collections import OrderedDict
 from typing import Set
 
 from hotfix import log, status
+from hotfix.halves import SchedulerHalf, WorkerHalf, merge_presence
 from hotfix.runtime import argument, contain, state_of
 from hotfix.registry import LEAVE, FixSpec, Shape, Target
 
@@ -42,6 +49,17 @@ SPEC = FixSpec(
                {"510c98c55c802135": Shape(_ALL)}),
         Target(_MC, "MultiConnector.build_connector_meta", "ship_load_plans", "engine_core",
                {"7ada026e68f1bb16": Shape(_ALL)}),
+        Target(_MC, "MultiConnector.update_connector_output", "hear_the_worker_halves", "engine_core",
+               {"c7c272e5ffa44072": Shape(_ALL)}),
+        Target("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output",
+               "settle_the_handshake", "engine_core",
+               {"0c4d8106750d2ea2": Shape("0.27.0-0.27.1"), "3a952ef59c38a3a4": Shape("0.28.0"),
+                "8df892460283ad44": Shape("0.29.0"), "23fcfb3d9c376cee": Shape("0.30.0"),
+                "79e6face830f7fb1": Shape("0.31.0-0.32.0"), "cbfde91b6fe16ae7": Shape("0.33.0")}),
+        Target(_MC, "MultiKVConnectorWorkerMetadata", "", "worker",
+               {"13d58a686600df05": Shape(_ALL, action=LEAVE)}),
+        Target(_MC, "MultiConnector.build_connector_worker_meta", "announce_the_worker_half",
+               "worker", {"633e94efe00e83bf": Shape(_ALL)}),
         Target(_MC, "MultiConnector.bind_connector_metadata", "learn_loaders_at_bind", "worker",
                {"26ea26c57c649d98": Shape(_ALL)}),
         Target(_MC, "MultiConnector.get_finished", "release_when_all_loaders_done", "worker",
@@ -165,14 +183,21 @@ def plan_async_loads(wrapped, instance, args, kwargs):
     return result
 
 
+def _scheduler_half(multi) -> SchedulerHalf:
+    return state_of(multi, "_hotfix_half", lambda: SchedulerHalf(
+        FIX, multi._vllm_config.parallel_config.world_size))
+
+
 def ship_load_plans(wrapped, instance, args, kwargs):
-    """Attach this step's async-load plans to the metadata the workers bind."""
+    """Attach this step's async-load plans to the metadata the workers bind, with the stamp."""
     metadata = wrapped(*args, **kwargs)
     if instance.__dict__.get("_hotfix_degraded"):
         return metadata  # no attribute: workers fall back to stock behaviour
     try:
         from vllm.v1.request import RequestStatus
 
+        half = _scheduler_half(instance)
+        half.stamp(metadata)
         unshipped = state_of(instance, "_hotfix_unshipped_plans", dict)
         plans = {
             req_id: chosen
@@ -183,12 +208,35 @@ def ship_load_plans(wrapped, instance, args, kwargs):
             or RequestStatus.is_finished(request.status)
         }
         unshipped.clear()
-        setattr(metadata, _PLANS_ATTR, plans)
+        if half.may_act:
+            setattr(metadata, _PLANS_ATTR, plans)
     except Exception as exc:
         _degrade_scheduler(instance, "MultiConnector.build_connector_meta", exc)
         if hasattr(metadata, _PLANS_ATTR):
             delattr(metadata, _PLANS_ATTR)
     return metadata
+
+
+def hear_the_worker_halves(wrapped, instance, args, kwargs):
+    """The workers' answer to the stamp rides in the merged worker metadata."""
+    try:
+        output = argument(args, kwargs, 0, "connector_output")
+        _scheduler_half(instance).heard(getattr(output, "kv_connector_worker_meta", None))
+    except Exception as exc:
+        _degrade_scheduler(instance, "MultiConnector.update_connector_output", exc)
+    return wrapped(*args, **kwargs)
+
+
+def settle_the_handshake(wrapped, instance, args, kwargs):
+    """After the first output: a handshake no worker output answered is degraded."""
+    result = wrapped(*args, **kwargs)
+    multi = instance.connector
+    if multi is not None and "_hotfix_half" in multi.__dict__:
+        try:
+            multi.__dict__["_hotfix_half"].heard(None)  # no-op once decided
+        except Exception as exc:
+            _degrade_scheduler(multi, "Scheduler.update_from_output", exc)
+    return result
 
 
 def _degrade_scheduler(instance, target: str, exc: BaseException) -> None:
@@ -226,10 +274,10 @@ def learn_loaders_at_bind(wrapped, instance, args, kwargs):
         return result
     try:
         metadata = argument(args, kwargs, 0, "connector_metadata")
+        state_of(instance, "_hotfix_half", lambda: WorkerHalf(FIX)).bound(metadata)
         plans = getattr(metadata, _PLANS_ATTR, None)
         instance.__dict__["_hotfix_coordinated"] = plans is not None
         if plans is None:
-            _note_uncoordinated()
             return result
         for req_id, chosen in plans.items():
             if not barrier.plan(req_id, chosen):
@@ -362,10 +410,55 @@ class ReportTap:
         return results
 
 
-def _note_uncoordinated() -> None:
-    _once(("uncoordinated",), "warning", "hotfix.recv.uncoordinated",
-          reason="the scheduler side ships no load plans (not patched there?); "
-          "this worker keeps stock behaviour")
+def announce_the_worker_half(wrapped, instance, args, kwargs):
+    """Answer the scheduler's stamp in this step's worker metadata (never before the stamp:
+    an EngineCore that did not stamp may not be able to unpickle our class)."""
+    meta = wrapped(*args, **kwargs)
+    half = instance.__dict__.get("_hotfix_half")
+    if half is None or not half.presence():
+        return meta
+    try:
+        return _with_presence(meta, len(instance._connectors), half.presence())
+    except Exception as exc:
+        _contain_entry(instance, exc)
+        return meta
+
+
+def _with_presence(meta, children: int, present):
+    carrier = _presence_class()(metadata=tuple(meta.metadata) if meta is not None else (None,) * children)
+    carrier.hotfix_present = present
+    return carrier
+
+
+_PRESENCE_CLASS = None
+
+
+def _presence_class():
+    """``MultiKVConnectorWorkerMetadata`` that also carries the workers' answer: MultiConnector
+    and an unpatched rank's metadata merge with it as with their own (built lazily: vLLM's
+    class exists only once vLLM is imported; picklable as ``recv_barrier.LoadBarrierPresence``)."""
+    global _PRESENCE_CLASS
+    if _PRESENCE_CLASS is None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiKVConnectorWorkerMetadata)
+
+        def aggregate(self, other):
+            merged = MultiKVConnectorWorkerMetadata.aggregate(self, other)
+            carrier = type(self)(metadata=merged.metadata)
+            carrier.hotfix_present = merge_presence(self.hotfix_present, other)
+            return carrier
+
+        _PRESENCE_CLASS = type("LoadBarrierPresence", (MultiKVConnectorWorkerMetadata,), {
+            "__module__": __name__, "__qualname__": "LoadBarrierPresence", "aggregate": aggregate,
+            "hotfix_present": {}})
+    return _PRESENCE_CLASS
+
+
+def __getattr__(name: str):
+    """Unpickling a worker's answer in the EngineCore looks the class up here."""
+    if name == "LoadBarrierPresence":
+        return _presence_class()
+    raise AttributeError(name)
 
 
 def _count(kind: str) -> None:

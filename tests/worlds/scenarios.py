@@ -36,11 +36,15 @@ class Scenario:
     grace: int = 64
     defer_async_loads: bool = False  # vLLM 0.33+ only; see World
     prefix_caching: bool = True
+    pp: int = 1
+    unpatched_ranks: tuple[int, ...] = ()
 
     def run(self) -> RunResult:
         world = World(
             self.children,
             tp=self.tp,
+            pp=self.pp,
+            unpatched_ranks=self.unpatched_ranks,
             async_scheduling=self.async_scheduling,
             defer_async_loads=self.defer_async_loads,
             prefix_caching=self.prefix_caching,
@@ -253,4 +257,20 @@ RESUME_LOAD_AFTER_PREEMPTION = Scenario(
     (BYSTANDER, LONG_REMOTE_R, LoadDone(2, "R", "lmc"), LoadDone(2, "R", "nixl"),
      Preempt(4, "R"), StrayReport(6, "R", "nixl"), LoadDone(9, "R", "lmc")),
     prefix_caching=False,
+)
+
+# Partial rollout, pipeline stages and idle engines (hardening). The bug report's pair with
+# recv-barrier off promotes R early; R finishes while NIXL still READs into its blocks.
+# With nothing else arriving, the engine goes idle as soon as R is gone.
+NIXL_LATE_ON_AN_IDLE_ENGINE = Scenario(
+    BUG_REPORT,
+    (REMOTE_R, LoadDone(1, "R", "lmc"), LoadDone(9, "R", "nixl")),
+)
+# Two pipeline stages, each stage's NIXL reading its own layers: stage 0 is done at 6,
+# stage 1 still writes until 12 (B keeps the engine stepping).
+NIXL_STAGES_FINISH_APART = Scenario(
+    BUG_REPORT,
+    (Arrive(0, "B", max_tokens=24), REMOTE_R, LoadDone(1, "R", "lmc"),
+     LoadDone(6, "R", "nixl", rank=0), LoadDone(12, "R", "nixl", rank=1)),
+    pp=2,
 )

@@ -22,6 +22,7 @@ next World.
 
 import copy
 import dataclasses
+import inspect
 import json
 import linecache
 import pickle
@@ -294,6 +295,21 @@ class _Crashed(Exception):
         self.crash = crash
 
 
+class _Unpatched:
+    """A worker rank's MultiConnector as an unpatched process runs it: vLLM's own methods,
+    whatever wrappers this process put on the class."""
+
+    def __init__(self, connector) -> None:
+        self._connector = connector
+
+    def __getattr__(self, name: str):
+        attr = inspect.getattr_static(type(self._connector), name)
+        original = getattr(attr, "__wrapped__", attr)  # a wrapt FunctionWrapper keeps it there
+        if callable(original) and not isinstance(original, (staticmethod, classmethod)):
+            return original.__get__(self._connector, type(self._connector))
+        return getattr(self._connector, name)
+
+
 class World:
     """A decode engine: `World([nixl_pull(), buggy_lmcache_mp()], tp=2)`.
 
@@ -312,6 +328,19 @@ class World:
     `prefix_caching=False` turns vLLM's local prefix cache off: a preempted
     request's resume is no longer served from its own cached blocks, so a
     cache child's hit starts a new async load under the same request id.
+
+    `pp=2` runs two pipeline stages: `pp * tp` worker ranks, each with its own
+    NIXL worker reading its part of R's layers, merged by `KVOutputAggregator`
+    over `world_size` like the executor does.
+
+    `unpatched_ranks=(1,)` models worker ranks our hotfix did not reach (Ray
+    workers without our PYTHONPATH, a worker-side revert): there the world calls
+    MultiConnector's own worker methods (not our wrappers, which are on the
+    class in this one process) and the rank's output carries no
+    `kv_connector_worker_meta`, as stock NIXL and the world's other children
+    send none. A real unpatched rank also runs NIXL's own entry point; here
+    pull-pin's NIXL wrapper may still record reports on that rank, but what it
+    would ship is dropped with the metadata.
     """
 
     def __init__(
@@ -323,9 +352,13 @@ class World:
         block_size: int = 16,
         defer_async_loads: bool = False,
         prefix_caching: bool = True,
+        pp: int = 1,
+        unpatched_ranks: Iterable[int] = (),
     ) -> None:
         self.children = list(children)
         self.tp = tp
+        self.pp = pp
+        self.unpatched_ranks = frozenset(unpatched_ranks)
         self.prefix_caching = prefix_caching
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -373,7 +406,7 @@ class World:
                     role=KVConnectorRole.WORKER,
                     kv_cache_config=self.kv_cache_config,
                 )
-                for rank in range(tp)
+                for rank in range(pp * tp)
             ]
             if defer_async_loads and not self.scheduler.defer_async_loads:
                 raise ValueError(
@@ -383,7 +416,8 @@ class World:
         except BaseException:
             connectors.detach(self._id)
             raise
-        self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, tp)
+        self.aggregator = KVOutputAggregator.from_connector(
+            self.scheduler.connector, self.vllm_config.parallel_config.world_size)
         hash_fn = get_hash_fn_by_name(
             self.vllm_config.cache_config.prefix_caching_hash_algo
         )
@@ -435,7 +469,8 @@ class World:
                 max_model_len=MAX_MODEL_LEN,
                 is_encoder_decoder=False,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tp),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tp,
+                                           pipeline_parallel_size=self.pp),
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=self._transfer_config(None, None),
         )
@@ -562,13 +597,13 @@ class World:
                 if isinstance(event, LoadFailed) and not FAILED_RECVS_SUPPORTED:
                     raise ValueError("LoadFailed: this vLLM has no failed_recving (0.30+)")
                 kind = "save" if isinstance(event, SaveDone) else "load"
-                ranks = range(self.tp) if event.rank is None else [event.rank]
+                ranks = range(self.pp * self.tp) if event.rank is None else [event.rank]
                 for rank in ranks:
                     self._due.setdefault((kind, event.req, event.child, rank), []).append(
                         event
                     )
             elif isinstance(event, StrayReport):
-                ranks = range(self.tp) if event.rank is None else [event.rank]
+                ranks = range(self.pp * self.tp) if event.rank is None else [event.rank]
                 for rank in ranks:
                     self._strays.setdefault((event.kind, event.child, rank), []).append(
                         (event.step, event.req)
@@ -722,7 +757,9 @@ class World:
                 req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
                 sampled_token_ids=[list(tokens) for tokens in sampled],
                 kv_connector_output=self._call(
-                    f"worker[{rank}]", self._worker_connector_step, worker, scheduler_output
+                    f"worker[{rank}]", self._worker_connector_step,
+                    _Unpatched(worker) if rank in self.unpatched_ranks else worker,
+                    scheduler_output,
                 ),
             )
             for rank, worker in enumerate(self.workers)
@@ -767,5 +804,7 @@ class World:
         output.kv_connector_stats = worker.get_kv_connector_stats()
         output.kv_cache_events = worker.get_kv_connector_kv_cache_events()
         output.kv_connector_worker_meta = worker.build_connector_worker_meta()
+        if isinstance(worker, _Unpatched):
+            output.kv_connector_worker_meta = None
         worker.clear_connector_metadata()
         return output
