@@ -17,6 +17,7 @@ import hotfix
 from hotfix import config, fingerprint, registry
 
 APPLYING = ("known_shape", "forced")
+FINE = APPLYING + ("fixed_upstream",)  # the installed vLLM needs no patch for that fix
 PLUGIN = "hotfix"
 PLUGIN_GROUP = "vllm.general_plugins"
 
@@ -85,7 +86,7 @@ def status_report() -> dict:
     decisions = [registry.decide(spec) for spec in registry.discover()]
     inj = injection_report()
     problems = [
-        f"{d.spec.id}: {d.reason}" for d in decisions if d.mode != "off" and d.reason not in APPLYING
+        f"{d.spec.id}: {d.reason}" for d in decisions if d.mode != "off" and d.reason not in FINE
     ]
     if decisions and not inj["disabled"] and not _injected(inj):
         problems.append("injection: neither our sitecustomize (first on sys.path) nor the "

@@ -19,6 +19,7 @@ from hotfix import config, fingerprint, log
 
 WRAP = "wrap"
 LEAVE = "leave"  # a known shape that must not be wrapped (e.g. a shim that delegates)
+FIXED = "fixed"  # a known shape that carries the upstream fix: nothing to wrap, nothing missing
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ class FixDecision:
     spec: FixSpec
     mode: str
     apply: bool
-    reason: str  # known_shape | forced | disabled | fingerprint_mismatch | target_missing | vllm_missing
+    reason: str  # known_shape | forced | fixed_upstream | disabled | fingerprint_mismatch |
+    # target_missing | vllm_missing
     targets: List[TargetDecision] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -135,6 +137,8 @@ def decide(spec: FixSpec, mode: Optional[str] = None) -> FixDecision:
             return FixDecision(spec, mode, True, "forced", targets)
         return FixDecision(spec, mode, False, "fingerprint_mismatch", targets)
     if not any(t.action == WRAP for t in targets):
+        if any(t.action == FIXED for t in targets):  # this release has the fix itself
+            return FixDecision(spec, mode, False, "fixed_upstream", targets)
         return FixDecision(spec, mode, False, "target_missing", targets)
     return FixDecision(spec, mode, True, "known_shape", targets)
 
@@ -179,6 +183,8 @@ def vllm_version() -> Optional[str]:
 # --------------------------------------------------------------------------------------
 
 PENDING, APPLIED, SKIPPED, REVERTED = "pending", "applied", "skipped", "reverted"
+#: reasons for not applying that need no operator action
+NOT_A_PROBLEM = ("disabled", "vllm_missing", "fixed_upstream")
 
 
 class _FixState:
@@ -293,7 +299,7 @@ def _require_wrapt():
 
 
 def _log_skip(decision: FixDecision) -> None:
-    level = "info" if decision.reason in ("disabled", "vllm_missing") else "error"
+    level = "info" if decision.reason in NOT_A_PROBLEM else "error"
     fields = {}
     if decision.reason == "fingerprint_mismatch":
         fields["mismatches"] = [

@@ -129,8 +129,14 @@ def test_engine_starts_and_generates_when_a_changed_scheduler_statement_skips_xf
     (engine_core,) = {p["pid"] for p in run.in_role("scheduler")}
     states = json.loads((status_dir / f"{engine_core}.json").read_text())["fixes"]
     assert states[ENGINE_FIX] == {"state": "skipped", "reason": "fingerprint_mismatch", "wrapped": []}
-    for other in (s.id for s in registry.discover() if s.id != ENGINE_FIX):  # pending: worker-side targets
-        assert states[other]["state"] in ("applied", "pending") and states[other]["wrapped"], states
+    for spec in (s for s in registry.discover() if s.id != ENGINE_FIX):  # pending: worker-side targets
+        state = states[spec.id]
+        if not any(t.role == "engine_core" for t in spec.targets):  # a worker-only fix (nixl-settle):
+            # the EngineCore may never import its module; on 0.30+ it is fixed_upstream
+            assert state["state"] in ("applied", "pending", "skipped"), states
+            assert state["reason"] in ("", "known_shape", "fixed_upstream"), states
+            continue
+        assert state["state"] in ("applied", "pending") and state["wrapped"], states
     for record in run.in_role("scheduler"):
         assert ENGINE_FIX not in record["wrapped"]["Scheduler._update_from_kv_xfer_finished"], record
     skipped = [line for line in run.log.splitlines() if "hotfix.patch.skipped" in line]
