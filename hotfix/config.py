@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import threading
 
+from hotfix.log import BoundedSet
+
 MODES = ("on", "off", "force")
 LOG_FORMATS = ("console", "json")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
-_reported = set()
+_reported = BoundedSet(cap=256)  # (variable, value) pairs already reported invalid
 _reported_lock = threading.Lock()
 
 
@@ -83,8 +85,7 @@ def _invalid(var: str, accepted, default: str) -> None:
     raw = os.environ.get(var)
     key = (var, raw)
     with _reported_lock:
-        first = key not in _reported
-        _reported.add(key)
+        first = _reported.add(key)
     message = (
         f"{var}={raw!r} is invalid: accepted values are {', '.join(repr(a) for a in accepted)};"
         f" using the default {default}"

@@ -15,6 +15,9 @@ import time
 from collections import Counter
 
 FLUSH_INTERVAL_S = 10.0
+#: counters are keyed by (fix, kind), a fixed vocabulary; beyond this many keys a new one is
+#: counted as ("hotfix", "other_kinds"), so the map stays bounded whatever a caller passes
+MAX_KEYS = 256
 
 _counters: Counter = Counter()
 _degraded: dict = {}  # fix -> reason; one entry per fix at most
@@ -26,6 +29,8 @@ def count(fix: str, kind: str, n: int = 1) -> None:
     """Count one event of ``kind`` for ``fix`` (e.g. ``xfer-guard``, ``unexpected_recv``)."""
     with _lock:
         first = (fix, kind) not in _counters  # a new kind of event is written at once
+        if first and len(_counters) >= MAX_KEYS - 1:  # the last key is the overflow's
+            fix, kind = "hotfix", "other_kinds"
         _counters[(fix, kind)] += n
         due = first or time.monotonic() - _last_flush >= FLUSH_INTERVAL_S
     if due:

@@ -15,8 +15,7 @@ def fresh(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     config._reported.clear()
     monkeypatch.setattr(log, "_bound", None)
-    log._last_emitted.clear()
-    log._suppressed.clear()
+    log.reset_rate_limits()
 
 
 def hotfix_records(caplog):

@@ -30,6 +30,7 @@ import contextvars
 from typing import Dict, FrozenSet, List
 
 from hotfix import status
+from hotfix.fixes._pin_prefix import count_common_prefix_without_pins, track  # noqa: F401
 from hotfix.halves import SchedulerHalf, WorkerHalf, merge_presence
 from hotfix.runtime import argument, contain, state_of
 from hotfix.registry import LEAVE, FixSpec, Shape, Target
@@ -61,6 +62,9 @@ SPEC = FixSpec(
         Target("vllm.v1.core.block_pool", "BlockPool.free_blocks", "", "engine_core",
                {"bcc09ebb07f7af42": Shape("0.27.0-0.27.1", LEAVE), "1e2af14b39d63d1b": Shape("0.28.0-0.29.0", LEAVE),
                 "10f5c8a60ecccb38": Shape("0.30.0-0.32.0", LEAVE), "56430160427df640": Shape("0.33.0", LEAVE)}),
+        Target("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_num_common_prefix_blocks",
+               "count_common_prefix_without_pins", "engine_core",
+               {"c37ce0826e0e5525": Shape("0.27.0-0.31.0"), "d0147ed76b19dfd4": Shape("0.32.0-0.33.0", LEAVE)}),
         Target(f"{_NIXL}.connector", "NixlBaseConnector.get_finished", "note_terminal_reads", "worker",
                {"2c82fee3df9147d2": Shape("0.27.0-0.28.0, 0.30.0-0.33.0"), "ae377c3666894a42": Shape("0.29.0")}),
         Target(f"{_NIXL}.connector", "NixlBaseConnector.get_transfer_results", "note_terminal_reads",
@@ -129,6 +133,12 @@ class PinBook:
     def pinned(self, req_id: str) -> bool:
         return bool(self._pins.get(req_id))
 
+    def holding(self):
+        """Every pin still holding its references (open, or confirmed but not yet released)."""
+        for pins in self._pins.values():
+            yield from pins
+        yield from self.ready
+
     def release_all(self) -> None:
         """The handshake failed: every provisional pin goes back (stock behaviour)."""
         for pins in self._pins.values():
@@ -167,7 +177,7 @@ _KV_CACHE_MANAGER: contextvars.ContextVar = contextvars.ContextVar("hotfix_pull_
 
 
 def _book(nixl_scheduler) -> PinBook:
-    return state_of(nixl_scheduler, "_hotfix_pins", PinBook)
+    return state_of(nixl_scheduler, "_hotfix_pins", lambda: track(PinBook()))
 
 
 def _scheduler_half(nixl_scheduler) -> SchedulerHalf:

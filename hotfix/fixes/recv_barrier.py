@@ -172,6 +172,8 @@ _PLANS_ATTR = "hotfix_load_plans"  # on MultiKVConnectorMetadata; pickled with i
 def plan_async_loads(wrapped, instance, args, kwargs):
     """Remember which child the scheduler chose to load R (``update_state_after_alloc``)."""
     result = wrapped(*args, **kwargs)
+    if instance.__dict__.get("_hotfix_degraded"):
+        return result  # nothing ships plans any more: keep none (H3)
     try:
         request = argument(args, kwargs, 0, "request")
         if argument(args, kwargs, 2, "num_external_tokens") > 0:
@@ -192,6 +194,7 @@ def ship_load_plans(wrapped, instance, args, kwargs):
     """Attach this step's async-load plans to the metadata the workers bind, with the stamp."""
     metadata = wrapped(*args, **kwargs)
     if instance.__dict__.get("_hotfix_degraded"):
+        instance.__dict__.pop("_hotfix_unshipped_plans", None)  # plans taken before degrading
         return metadata  # no attribute: workers fall back to stock behaviour
     try:
         from vllm.v1.request import RequestStatus

@@ -131,7 +131,7 @@ def _released(ledger, req_id, party, request, kind, problems) -> bool:
 
 def _unexpected(kind: str, req_id: str, status, report: str, **extra) -> str:
     _count(kind)
-    log.limited((FIX, kind, req_id), "error", "hotfix.xfer.unexpected", fix=FIX, kind=kind,
+    log.limited((FIX, kind), "error", "hotfix.xfer.unexpected", fix=FIX, kind=kind,
                 req_id=req_id, status=str(status) if status is not None else "freed",
                 list=report, action="dropped", **extra)
     return f"{kind}: {report} for {req_id} (status {status})"
@@ -196,6 +196,7 @@ def record_save_hold(wrapped, instance, args, kwargs):
         try:
             request = args[0] if args else kwargs["request"]
             ledger_of(instance).hold(request.request_id, SAVE)
+            _report_evictions(instance)
         except Exception as exc:
             contain(FIX, "Scheduler._connector_finished", exc, fallback="stock single-hold freeing")
     return result

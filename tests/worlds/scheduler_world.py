@@ -261,6 +261,14 @@ class StepRecord:
     # requests whose async load is parked right after this tick's schedule() (vLLM 0.33+:
     # started later, from _drain_deferred_loads)
     deferred_loads: frozenset[str] = frozenset()
+    # right after this tick's schedule(), per KV-cache group: the common-prefix block count
+    # the scheduler put in its output (cascade attention), and two readings of the KV cache
+    # manager's state for the scheduler's running[0]: leading blocks that every request with
+    # blocks holds (by membership), and leading blocks whose ref_cnt equals the number of such
+    # requests (vLLM's rule, which assumes one reference per holder)
+    common_prefix: tuple[int, ...] = ()
+    common_prefix_by_holders: tuple[int, ...] = ()
+    common_prefix_by_ref_cnt: tuple[int, ...] = ()
 
     def reported(self, child: str, req_id: str, kind: str = "recv") -> list[int]:
         """Ranks on which `child` reported `req_id` this tick."""
@@ -534,6 +542,22 @@ class World:
             for req_id in self.scheduler.requests
         }
 
+    def common_prefix_readings(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(by holders, by ref_cnt) for the scheduler's running[0]; see StepRecord."""
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        if not self.scheduler.running:
+            return (0,) * len(managers), (0,) * len(managers)
+        first = self.scheduler.running[0].request_id
+        by_holders, by_ref_cnt = [], []
+        for manager in managers:
+            holders = [set(map(id, blocks)) for blocks in manager.req_to_blocks.values()]
+            blocks = manager.req_to_blocks.get(first, [])  # a defaultdict: never insert
+            by_holders.append(next((i for i, b in enumerate(blocks)
+                                    if not all(id(b) in h for h in holders)), len(blocks)))
+            by_ref_cnt.append(next((i for i, b in enumerate(blocks)
+                                    if b.ref_cnt != len(holders)), len(blocks)))
+        return tuple(by_holders), tuple(by_ref_cnt)
+
     def free_block_ids(self) -> list[int]:
         return [
             b.block_id
@@ -643,6 +667,9 @@ class World:
             self._observe()
             self._record.scheduled = dict(scheduler_output.num_scheduled_tokens)
             self._record.deferred_loads = frozenset(getattr(self.scheduler, "deferred_loads", ()))
+            self._record.common_prefix = tuple(scheduler_output.num_common_prefix_blocks or ())
+            (self._record.common_prefix_by_holders,
+             self._record.common_prefix_by_ref_cnt) = self.common_prefix_readings()
             holdings = self.holdings()
             for req_id in scheduler_output.num_scheduled_tokens:
                 self.tracker.computed(self.step, req_id, holdings.get(req_id, ()))
