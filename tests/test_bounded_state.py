@@ -41,7 +41,9 @@ def per_process_entries() -> dict:
 
 @pytest.fixture
 def clock(monkeypatch):
-    """A frozen clock past every rate-limit window opened so far in this process."""
+    """A frozen clock past every rate-limit window opened so far in this process (whose
+    summaries earlier tests' lines would otherwise print first: forget them)."""
+    log.reset_rate_limits()
     now = [log.time.monotonic() + 10 * log.RATE_LIMIT_S]
     monkeypatch.setattr(log.time, "monotonic", lambda: now[0])
     return now
