@@ -280,6 +280,8 @@ class Activation:
         with self.lock:
             for fix in self.fixes.values():
                 self._revert(fix, reason)
+        if self is _activation:
+            _status_changed(self)
 
     def snapshot(self) -> dict:
         with self.lock:

@@ -79,7 +79,7 @@ def snapshot(act) -> dict:
 
     fixes = act.snapshot()
     for fix, reason in degraded().items():
-        if fix in fixes and fixes[fix]["state"] == "applied":
+        if fix in fixes and fixes[fix]["state"] in ("applied", "pending"):
             fixes[fix] = {**fixes[fix], "state": "degraded", "reason": reason}
     return {
         "pid": os.getpid(),

@@ -141,3 +141,48 @@ def test_engine_starts_and_generates_when_a_changed_scheduler_statement_skips_xf
         assert ENGINE_FIX not in record["wrapped"]["Scheduler._update_from_kv_xfer_finished"], record
     skipped = [line for line in run.log.splitlines() if "hotfix.patch.skipped" in line]
     assert skipped and all(s in skipped[0] for s in (target.key, changed_fp, stock_fp)), run.log[-6000:]
+
+
+def _states(status_dir, pid: int) -> dict:
+    return json.loads((status_dir / f"{pid}.json").read_text())["fixes"]
+
+
+def _degraded_lines(run: EngineRun, missing: str) -> list[str]:
+    return [line for line in run.log.splitlines()
+            if "hotfix.halves.degraded" in line and f"missing_half='{missing}'" in line]
+
+
+def test_a_worker_without_the_hotfix_degrades_the_load_barrier_and_the_engine_survives(tmp_path):
+    """Partial rollout, EngineCore patched, worker not (a Ray worker without our PYTHONPATH):
+    recv-barrier is stock in this engine (one ERROR, `degraded` in the EngineCore's status),
+    xfer-guard (EngineCore only) still keeps the race from killing it. Tokens are not judged:
+    with a half missing, stock behaviour is the best we promise."""
+    status_dir = tmp_path / "status"
+    run = run_engine(PYTHONPATH, drop_hotfix_in="worker", env={"HOTFIX_STATUS_DIR": str(status_dir)})
+
+    assert run.completed and not run.engine_dead, describe(run)
+    (engine_core,) = {p["pid"] for p in run.in_role("scheduler")}
+    (worker,) = {p["pid"] for p in run.in_role("worker")}
+    core = _states(status_dir, engine_core)
+    assert core["recv-barrier"]["state"] == "degraded", core
+    assert "worker half missing" in core["recv-barrier"]["reason"]
+    assert core["xfer-guard"]["state"] == "applied", core
+    assert {s["state"] for s in _states(status_dir, worker).values()} == {"reverted"}
+    assert len(_degraded_lines(run, "worker")) == 1, run.log[-6000:]
+
+
+def test_an_engine_core_without_the_hotfix_gets_nothing_of_ours_and_dies_as_stock(tmp_path):
+    """The reverse: the worker is patched, the EngineCore cannot import our fix modules. The
+    worker sees no stamp, degrades with one ERROR and sends nothing of ours (an unpickling
+    error would kill the EngineCore first); the EngineCore dies exactly as stock does."""
+    status_dir = tmp_path / "status"
+    run = run_engine(PYTHONPATH, drop_hotfix_in="scheduler", env={"HOTFIX_STATUS_DIR": str(status_dir)})
+
+    assert run.engine_dead, describe(run)
+    assert IN_REQUESTS in run.log
+    assert "None in sys.modules" not in run.log and "ModuleNotFoundError" not in run.log
+    (worker,) = {p["pid"] for p in run.in_role("worker")}
+    states = _states(status_dir, worker)
+    assert states["recv-barrier"]["state"] == "degraded", states
+    assert "scheduler half missing" in states["recv-barrier"]["reason"]
+    assert len(_degraded_lines(run, "scheduler")) == 1, run.log[-6000:]

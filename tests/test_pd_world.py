@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,8 @@ class Engines:
     hotfix: Engine
     pin: Engine  # the hotfix without recv-barrier: early promotion still happens
     pin_status: Path
+    half: Engine  # the hotfix in the EngineCore only: its worker runs without it
+    half_status: Path
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def pd(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-world")
     home = install_home(root / "hotfix-home", fixes=())
     bug_report = decode_bug_report_config(READ_DELAY_STEPS)
-    pin_status = root / "pin-status"
+    pin_status, half_status = root / "pin-status", root / "half-status"
     with PDWorld(root, build_model(root / "model"), clean_env()) as world:
         engines = Engines(
             prefill=world.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False}),
@@ -71,6 +74,9 @@ def pd(tmp_path_factory):
             pin=world.start("decode-pin", bug_report, hotfix_home=home,
                             env={"HOTFIX_RECV_BARRIER": "off", "HOTFIX_STATUS_DIR": str(pin_status)}),
             pin_status=pin_status,
+            half=world.start("decode-half", decode_bug_report_config(READ_DELAY_STEPS, drop_hotfix_in="worker"),
+                             hotfix_home=home, env={"HOTFIX_STATUS_DIR": str(half_status)}),
+            half_status=half_status,
         )
         for engine in world.engines:
             engine.wait_ready()
@@ -203,3 +209,30 @@ def test_abort_during_a_delayed_read_frees_its_blocks_under_the_read_unless_pinn
     events = timeline(pd.pin.log())[aborted]
     assert events["cache_reported"] < events["read_started"] <= events["nixl_reported"]
     assert reallocated_before_nixl_reported(pd.pin, aborted) == []
+
+
+def test_a_decode_whose_worker_lacks_the_hotfix_stays_stock_survives_and_returns_every_block(pd):
+    """Partial rollout: D's EngineCore has the hotfix, its worker does not (a Ray worker
+    without our PYTHONPATH). recv-barrier and pull-pin are degraded (one ERROR each, stock
+    behaviour); xfer-guard, EngineCore only, keeps D alive through the bug report's race. Once
+    the traffic drained, vLLM's own reset_prefix_cache() succeeds: no block is held (before
+    the halves' handshake every READ's pin leaked and it stayed False). Tokens are not judged."""
+    clean, racy, after = prompt(61, 70), prompt(62, 100), prompt(63, 90)
+    for tokens, cache_hit in ((clean, False), (racy, True), (after, False)):
+        transfer(pd.prefill, pd.half, tokens, MAX_TOKENS, cache_hit=cache_hit)
+    assert pd.half.alive()
+
+    deadline = time.monotonic() + 60  # the racy request's late READ may still be landing
+    while not pd.half.reset_prefix_cache():
+        assert time.monotonic() < deadline, "blocks still held at idle\n" + pd.half.log_tail()
+        time.sleep(2)
+
+    statuses = [json.loads(p.read_text()) for p in pd.half_status.glob("*.json")]
+    engine_core = [s for s in statuses if "EngineCore" in s["role"]]
+    assert engine_core, statuses
+    fixes = engine_core[0]["fixes"]
+    assert fixes["recv-barrier"]["state"] == fixes["pull-pin"]["state"] == "degraded", fixes
+    assert fixes["xfer-guard"]["state"] == "applied", fixes
+    degraded = [line for line in pd.half.log().splitlines() if "hotfix.halves.degraded" in line]
+    assert sorted(line.split("fix='")[1].split("'")[0] for line in degraded) == ["pull-pin", "recv-barrier"]
+    assert all("missing_half='worker'" in line for line in degraded), degraded

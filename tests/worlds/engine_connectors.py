@@ -37,6 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from tests.worlds.without_hotfix import drop_hotfix_if_asked
+
 MODULE = __name__
 LOAD_MARKER = "engine_world_remote_kv"  # kv_transfer_params key: "this prompt's KV is remote"
 
@@ -74,6 +76,7 @@ class _Child(KVConnectorBase_V1, SupportsHMA):
         self.load_steps = int(extra.get("load_steps", self.default_load_steps))
         self._served: set[str] = set()  # scheduler: requests whose hit was acted on
         self._steps_left: dict[str, int] = {}  # worker: loads in flight
+        drop_hotfix_if_asked(extra, role == KVConnectorRole.SCHEDULER)
         if extra.get("report_dir"):
             _write_record(extra["report_dir"], type(self).__name__, role)
 
@@ -180,12 +183,16 @@ _WATCHED = {  # module -> (class, methods) whose hotfix wrappers a record lists
 }
 
 
+def _role_name(role: KVConnectorRole) -> str:
+    return "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+
+
 def _write_record(report_dir: str, connector: str, role: KVConnectorRole) -> None:
     hotfix = sys.modules.get("hotfix")
     main = sys.modules.get("__main__")
     record = {
         "connector": connector,
-        "role": "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+        "role": _role_name(role),
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "spawned": getattr(main, "__name__", None) == "__mp_main__",
@@ -221,12 +228,16 @@ def _fix_ids(function) -> list[str]:
     return found
 
 
-def multi_connector_config(slow_steps: int, fast_steps: int = 1, report_dir: str | None = None) -> dict:
-    """``kv_transfer_config`` for ``MultiConnector[SlowLoader, FastLoader]`` on a decode node."""
+def multi_connector_config(slow_steps: int, fast_steps: int = 1, report_dir: str | None = None,
+                           drop_hotfix_in: str | None = None) -> dict:
+    """``kv_transfer_config`` for ``MultiConnector[SlowLoader, FastLoader]`` on a decode node;
+    ``drop_hotfix_in="worker"`` (or ``"scheduler"``) runs that side without the hotfix."""
     def child(name: str, steps: int) -> dict:
         extra = {"load_steps": steps}
         if report_dir:
             extra["report_dir"] = report_dir
+        if drop_hotfix_in:
+            extra["drop_hotfix_in"] = drop_hotfix_in
         return {"kv_connector": name, "kv_role": "kv_consumer", "kv_connector_module_path": MODULE,
                 "kv_connector_extra_config": extra}
 

@@ -158,10 +158,11 @@ def fixes_only(*fix_ids: str) -> dict:
 
 def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
                start_method: str | None = None, env: dict | None = None,
-               extra_path=(), timeout: float = 600.0) -> EngineRun:
+               extra_path=(), timeout: float = 600.0, drop_hotfix_in: str | None = None) -> EngineRun:
     """Start the engine in a subprocess with the hotfix delivered by ``variant``, run
     ``requests`` to the end (or the engine's death), and tear everything down.
-    ``extra_path`` goes on ``PYTHONPATH`` after ours (e.g. a vLLM tree to run instead)."""
+    ``extra_path`` goes on ``PYTHONPATH`` after ours (e.g. a vLLM tree to run instead);
+    ``drop_hotfix_in="worker"|"scheduler"``: that process runs without the hotfix."""
     work = Path(tempfile.mkdtemp(prefix=f"engine-world-{variant}-"))
     path = [*_python_path(variant, work), *extra_path]
     run_env = clean_env(**(env or {}))
@@ -173,7 +174,8 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
 
     records = work / "records"
     records.mkdir()
-    kv_config = engine_connectors.multi_connector_config(slow_steps, report_dir=str(records))
+    kv_config = engine_connectors.multi_connector_config(slow_steps, report_dir=str(records),
+                                                         drop_hotfix_in=drop_hotfix_in)
     spec = {
         "model": str(tiny_llama_dir()),
         "kv_transfer_config": kv_config,

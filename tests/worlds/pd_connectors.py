@@ -33,9 +33,11 @@ from pd_world import CACHE_HIT_PARAM
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.logger import init_logger
+from without_hotfix import drop_hotfix_if_asked
 
 logger = init_logger("vllm.pd_world")
 
@@ -49,6 +51,7 @@ class DelayedReadNixlConnector(NixlPullConnector):
 
     def __init__(self, vllm_config, role, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
+        drop_hotfix_if_asked(_extra(vllm_config), role == KVConnectorRole.SCHEDULER)
         self._read_delay_steps = int(_extra(vllm_config).get("read_delay_steps", 0))
         self._step = 0
         self._held: dict[str, tuple[int, object]] = {}  # req_id -> (release step, ReqMeta)
@@ -127,6 +130,7 @@ class EagerRetrieveConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
+        drop_hotfix_if_asked(_extra(vllm_config), role == KVConnectorRole.SCHEDULER)
         self._retrieve_steps = int(_extra(vllm_config).get("retrieve_steps", 1))
         self._block_size = vllm_config.cache_config.block_size
         self._hits: dict[str, int] = {}  # scheduler side: req_id -> hit tokens

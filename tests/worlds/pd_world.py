@@ -102,18 +102,22 @@ def decode_nixl_config() -> dict:
     return {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
 
 
-def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1) -> dict:
+def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
+                             drop_hotfix_in: str | None = None) -> dict:
     """The bug report's decode node: MultiConnector[NIXL, LMCache-MP-like loader].
 
     NIXL's READ starts ``read_delay_steps`` engine steps late (the slow GB-scale pull); the
     loader retrieves although MultiConnector gives it 0 tokens and reports after
-    ``retrieve_steps`` steps (the fast CPU-memory hit).
+    ``retrieve_steps`` steps (the fast CPU-memory hit). ``drop_hotfix_in="worker"`` runs the
+    worker without the hotfix (``without_hotfix``).
     """
+    dropped = {"drop_hotfix_in": drop_hotfix_in} if drop_hotfix_in else {}
     nixl = {"kv_connector": "DelayedReadNixlConnector", "kv_connector_module_path": CONNECTORS_MODULE,
             "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"read_delay_steps": read_delay_steps}}
+            "kv_connector_extra_config": {"read_delay_steps": read_delay_steps, **dropped}}
     loader = {"kv_connector": "EagerRetrieveConnector", "kv_connector_module_path": CONNECTORS_MODULE,
-              "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps}}
+              "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps,
+                                                                  **dropped}}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
             "kv_connector_extra_config": {"connectors": [nixl, loader]}}
 
@@ -189,6 +193,14 @@ class Engine:
             raise EngineFailure(self, reply["error"], reply["message"])
         return reply["request_id"]
 
+    def reset_prefix_cache(self, timeout: float = REQUEST_TIMEOUT_S) -> bool:
+        """vLLM's ``LLM.reset_prefix_cache()``: False while any block is still held."""
+        self.conn.send({"op": "reset_prefix_cache"})
+        reply = self._receive(timeout, "reset_prefix_cache")
+        if "error" in reply:
+            raise EngineFailure(self, reply["error"], reply["message"])
+        return reply["reset"]
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -261,7 +273,7 @@ class PDWorld:
         self.base_env = base_env
         self.modules = root / "modules"
         self.modules.mkdir(parents=True, exist_ok=True)
-        for name in ("pd_world.py", f"{CONNECTORS_MODULE}.py"):
+        for name in ("pd_world.py", f"{CONNECTORS_MODULE}.py", "without_hotfix.py"):
             shutil.copy2(HERE / name, self.modules / name)
         self.engines: list[Engine] = []
 
@@ -422,6 +434,9 @@ def _drive(fd: int, config_path: str) -> None:
         if command["op"] == "close":
             return
         try:
+            if command["op"] == "reset_prefix_cache":
+                conn.send({"reset": bool(llm.reset_prefix_cache())})
+                continue
             if command["op"] == "abort_after":
                 conn.send({"request_id": _abort_after(llm, command["request"], command["tokens"])})
                 continue
