@@ -62,3 +62,39 @@ def test_worker_confirmations_and_announcements_merge_over_ranks():
     assert merged.confirmed == {"R": {"t0": 4, "t1": 4}, "S": {"t0": 4}}
     assert merged.hotfix_present == {"pull-pin": frozenset({"t0", "t1"})}
     assert rank0.confirmed == {"R": {"t0": 4}, "S": {"t0": 4}}, "aggregate must not mutate"
+
+
+def test_each_groups_blocks_go_back_to_the_pool_that_owns_the_group():
+    """0.33 HiSparse (and hybrid models): block ids are unique only within a KV-cache group;
+    a host group's blocks must not land on the device pool's free queue."""
+    from types import SimpleNamespace
+
+    from hotfix.fixes import pull_pin
+
+    class Pool:
+        def __init__(self) -> None:
+            self.freed = []
+
+        def free_blocks(self, blocks) -> None:
+            self.freed.extend(blocks)
+
+    device, host = Pool(), Pool()
+    manager = SimpleNamespace(block_pool=device, coordinator=SimpleNamespace(
+        single_type_managers=(SimpleNamespace(block_pool=device), SimpleNamespace(block_pool=host))))
+    book = PinBook()
+    book.add("R", _Pin((["d5", "d6"], ["h5"]), epoch=1))  # id 5 exists in both groups
+    book.confirm("R", "rank0", epoch=1, ranks=1)
+    token = pull_pin._KV_CACHE_MANAGER.set(manager)
+    try:
+        pull_pin._release_ready(book)
+    finally:
+        pull_pin._KV_CACHE_MANAGER.reset(token)
+    assert device.freed == ["d5", "d6"] and host.freed == ["h5"] and len(book) == 0
+
+
+def test_nixl_block_ids_are_matched_per_group():
+    from hotfix.fixes.pull_pin import _targets_per_group
+
+    assert _targets_per_group(([1, 2], [1]), 2) == [{1, 2}, {1}]
+    assert _targets_per_group([3, 4], 1) == [{3, 4}]  # a flat list: one group
+    assert _targets_per_group((), 2) == [set(), set()]
