@@ -170,8 +170,16 @@ class Engine:
     conn: Connection
     start_s: float = 0.0
 
+    relaunch = None  # set by PDWorld.start
+
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
+        """Wait for the engine; a start that lost a port race (another engine or process took
+        a port vLLM had found free: EADDRINUSE) is relaunched once on fresh ports."""
         reply = self._receive(timeout, "start")
+        if "error" in reply and "EADDRINUSE" in self.log() and self.relaunch is not None:
+            self.relaunch()
+            self.relaunch = None
+            reply = self._receive(timeout, "start")
         if "error" in reply:
             raise EngineFailure(self, reply["error"], reply["message"])
         self.start_s = reply["ready_s"]
@@ -286,6 +294,18 @@ class PDWorld:
     def start(self, name: str, kv_transfer_config: dict, *, hotfix_home: Path | None = None,
               env: dict | None = None, engine_args: dict | None = None) -> Engine:
         """Launch an engine; call ``wait_ready`` on it (engines may start side by side)."""
+        engine = self._launch(name, kv_transfer_config, hotfix_home, env, engine_args)
+        engine.relaunch = lambda: self._relaunch(engine, kv_transfer_config, hotfix_home, env, engine_args)
+        self.engines.append(engine)
+        return engine
+
+    def _relaunch(self, engine: "Engine", *args) -> None:
+        """Start ``engine`` again in place, on fresh ports (its old tree is ended first)."""
+        engine.end(time.monotonic())
+        fresh = self._launch(engine.name, *args)
+        engine.log_path, engine.process, engine.conn = fresh.log_path, fresh.process, fresh.conn
+
+    def _launch(self, name, kv_transfer_config, hotfix_home, env, engine_args) -> Engine:
         port = free_port()
         config_path = self.root / f"{name}.json"
         config_path.write_text(json.dumps({
@@ -311,6 +331,8 @@ class PDWorld:
         full_env.update(env or {})
         ours, theirs = socket.socketpair()
         log_path = self.root / f"{name}.log"
+        if log_path.exists():  # a relaunch: keep the failed start's log next to it
+            log_path.rename(log_path.with_suffix(f".{int(time.time() * 1000)}.log"))
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "pd_world", str(theirs.fileno()), str(config_path)],
@@ -318,9 +340,7 @@ class PDWorld:
                 pass_fds=(theirs.fileno(),), start_new_session=True,
             )
         theirs.close()
-        engine = Engine(name, log_path, process, Connection(ours.detach()))
-        self.engines.append(engine)
-        return engine
+        return Engine(name, log_path, process, Connection(ours.detach()))
 
     def close(self, grace: float = 30.0) -> None:
         """Shut every engine down side by side; none outlives this call."""
