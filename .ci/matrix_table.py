@@ -3,7 +3,9 @@
     python3 .ci/matrix_table.py OUT_DIR LEG...
 
 Reads what .ci/leg.sh left in OUT_DIR for each LEG (status-LEG.json, junit-LEG.xml,
-times-LEG.txt, result-LEG.txt). Stdlib only. Exit status 1 if a leg failed or left no record.
+times-LEG.txt, result-LEG.txt; summary-LEG.txt, where a leg wrote one, replaces the tests
+column: .ci/vllm-unit.sh's stock-vs-hotfix comparison). Stdlib only. Exit status 1 if a leg
+failed or left no record.
 """
 import json
 import sys
@@ -55,7 +57,8 @@ def main(out: Path, legs: list[str]) -> int:
         )
         result = (read(out / f"result-{leg}.txt") or "no record").strip()
         bad |= result != "ok"
-        rows.append((leg, release, decisions, tests_of(read(out / f"junit-{leg}.xml")),
+        summary = (read(out / f"summary-{leg}.txt") or "").strip()  # e.g. vllm-unit's comparison
+        rows.append((leg, release, decisions, summary or tests_of(read(out / f"junit-{leg}.xml")),
                      f"{times.get('build', '?')} s", f"{times.get('tests', '?')} s", result))
     header = ["leg", "release", *fix_names, "tests", "venv", "run", "result"]
     table = [header] + [

