@@ -17,14 +17,14 @@
 #      hotfix  PYTHONPATH=<repo> (as operators deliver it), HOTFIX_STATUS_DIR=<temp dir>, the
 #              caller's HOTFIX_* toggles; checked: status files show the hotfix active;
 # 4. compares the two junit files by test id (.ci/compare_junit.py): any difference fails the
-#    leg unless .ci/legs/vllm-unit.known lists it, and a listed id that no longer differs
-#    fails it too;
+#    leg (a known-differences file, if given, excuses the ids it lists; a listed id that no
+#    longer differs fails the leg too);
 # 5. removes the test deps again, so the legs after this one run on the venv it found.
 #
 # Environment:
 #   HOTFIX_LEG_VENV      venv (default .venv)          HOTFIX_LEG_OUT  artifacts (default .ci-out)
-#   HOTFIX_UNIT_KNOWN    known-differences file (default .ci/legs/vllm-unit.known); set it
-#                        empty for the hard gate (every difference fails)
+#   HOTFIX_UNIT_KNOWN    known-differences file (default: none, the hard gate: every
+#                        difference fails the leg)
 #   HOTFIX_UNIT_TESTS    selection file (default .ci/legs/vllm-unit.tests)
 #   HOTFIX_UNIT_TIMEOUT  per-test timeout in s (default 120)
 #   HOTFIX_UNIT_KEEP_DEPS=1  leave the test deps installed
@@ -41,7 +41,7 @@ PY=$(cd "$VENV" && pwd)/bin/python
 OUT=${HOTFIX_LEG_OUT:-.ci-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-KNOWN=${HOTFIX_UNIT_KNOWN-.ci/legs/vllm-unit.known}
+KNOWN=${HOTFIX_UNIT_KNOWN-}
 TIMEOUT=${HOTFIX_UNIT_TIMEOUT:-120}
 KEEP_DEPS=${HOTFIX_UNIT_KEEP_DEPS:-0}
 
