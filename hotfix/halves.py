@@ -100,6 +100,14 @@ class SchedulerHalf:
                   "does nothing)")
 
 
+    def give_up(self, reason: str) -> None:
+        """This half failed internally (e.g. a stamp was lost): stock for good, like a missing
+        half, so the workers stop too and nothing provisional outlives the next output."""
+        if self.state != DEGRADED:
+            self.state = DEGRADED
+            _degraded(self.fix, "scheduler", reason, "stock behaviour in this engine")
+
+
 class WorkerHalf:
     """One worker rank's view of one fix: did the EngineCore announce the scheduler half?"""
 

@@ -79,3 +79,11 @@ def test_stamps_of_two_fixes_share_one_attribute_and_count_epochs():
     assert halves.stamp_of(metadata, "c") is None
     a.stamp(Metadata())
     assert a.epoch == 2
+
+
+def test_a_scheduler_half_that_fails_gives_up_for_good():
+    scheduler = SchedulerHalf("fix-d", ranks=1)
+    scheduler.give_up("stamp failed: boom")
+    assert not scheduler.may_act and "stamp failed" in status.degraded()["fix-d"]
+    scheduler.heard(_announce(WorkerHalf("fix-d")))
+    assert scheduler.state == DEGRADED

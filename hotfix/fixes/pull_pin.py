@@ -225,7 +225,9 @@ def stamp_the_scheduler_half(wrapped, instance, args, kwargs):
             _scheduler_half(scheduler).stamp(metadata)
     except Exception as exc:
         contain(FIX, "NixlBaseConnector.build_connector_meta", exc,
-                fallback="no stamp this step (workers stay stock)")
+                fallback="pull-pin degraded in this engine (its pins go back at the next output)")
+        if instance.connector_scheduler is not None:
+            _scheduler_half(instance.connector_scheduler).give_up(f"stamp failed: {exc}")
     return metadata
 
 
