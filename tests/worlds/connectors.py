@@ -100,8 +100,10 @@ class _WorldChild:
         return f"{self.name}@rank{self.rank}"
 
     def _start_load(self, req_id: str, block_ids) -> None:
-        self._loads[req_id] = tuple(block_ids)
-        self.world.tracker.write_started(self.world.step, self.label, req_id, block_ids)
+        """A second load under an id still loading joins the first, as NIXL appends the new
+        READ's handles to the id's list and reports the id once every handle is done."""
+        self._loads[req_id] = self._loads.get(req_id, ()) + tuple(block_ids)
+        self.world.tracker.write_started(self.world.step, self.label, req_id, self._loads[req_id])
 
     def _start_save(self, req_id: str, block_ids) -> None:
         self._saves[req_id] = tuple(block_ids)

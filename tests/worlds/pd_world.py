@@ -212,6 +212,10 @@ class Engine:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def nixl_failures(self, since: int = 0) -> list[str]:
+        """NIXL's own ``NIXL transfer failure: <type>`` lines in the log past offset ``since``."""
+        return _NIXL_FAILURE.findall(self.log()[since:])
+
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log().splitlines()[-lines:])
 
@@ -356,8 +360,18 @@ def transfer(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int
     """One P/D request the way a disaggregating proxy runs it; the decode node's tokens.
 
     ``cache_hit`` adds the marker the bug-report loader reads as a decode-side cache hit.
+    A request whose NIXL handshake failed (stock NIXL gives P's side channel 5 s to answer,
+    which a loaded 2-core machine can miss on first contact) ends with no tokens under
+    ``kv_load_failure_policy=fail``; a proxy retries that once on a new prefill, and so does
+    this. Any other failure is returned as is.
     """
-    (out,) = decode.generate([_decode_request(prefill, prompt, max_tokens, cache_hit)])
+    for attempt in range(2):
+        before = len(decode.log())
+        (out,) = decode.generate([_decode_request(prefill, prompt, max_tokens, cache_hit)])
+        failures = decode.nixl_failures(before)
+        if out.token_ids or attempt or not any(f.startswith("handshake") for f in failures):
+            return out.token_ids
+        print(f"pd_world: {decode.name}: NIXL {failures} on first contact; retrying once", file=sys.stderr)
     return out.token_ids
 
 
@@ -376,6 +390,7 @@ def _decode_request(prefill: Engine, prompt: list[int], max_tokens: int, cache_h
     return Request(prompt, max_tokens, params)
 
 
+_NIXL_FAILURE = re.compile(r"NIXL transfer failure: (\S+?)[.| ]")
 _EVENTS = {
     "retrieve_started": re.compile(r"pd_world: cache RETRIEVE of (\S+) starts at step (\d+)"),
     "cache_reported": re.compile(r"pd_world: cache reports (\S+) received at step (\d+)"),

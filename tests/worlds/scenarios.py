@@ -38,6 +38,7 @@ class Scenario:
     prefix_caching: bool = True
     pp: int = 1
     unpatched_ranks: tuple[int, ...] = ()
+    sliding_window: int | None = None
 
     def run(self) -> RunResult:
         world = World(
@@ -48,6 +49,7 @@ class Scenario:
             async_scheduling=self.async_scheduling,
             defer_async_loads=self.defer_async_loads,
             prefix_caching=self.prefix_caching,
+            sliding_window=self.sliding_window,
         )
         return world.run(self.timeline, until=self.until, grace=self.grace)
 
@@ -273,4 +275,15 @@ NIXL_STAGES_FINISH_APART = Scenario(
     (Arrive(0, "B", max_tokens=24), REMOTE_R, LoadDone(1, "R", "lmc"),
      LoadDone(6, "R", "nixl", rank=0), LoadDone(12, "R", "nixl", rank=1)),
     pp=2,
+)
+# Request-id reuse (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1, or a client that sets ids): R is
+# promoted early by the cache's report and finishes under NIXL's READ; R arrives again at 6 and
+# the same happens to its second READ. NIXL keeps one handle list per id and reports R once,
+# at 12, when both READs are done. No prefix cache, so the second R gets blocks of its own.
+READS_UNDER_ONE_REQUEST_ID = Scenario(
+    BUG_REPORT,
+    (Arrive(0, "B", max_tokens=30), REMOTE_R, LoadDone(1, "R", "lmc"),
+     Arrive(6, "R", remote_prefill=True, hits={"lmc": 48}, max_tokens=2), LoadDone(7, "R", "lmc"),
+     LoadDone(12, "R", "nixl")),
+    prefix_caching=False,
 )

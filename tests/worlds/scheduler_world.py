@@ -66,7 +66,12 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -161,6 +166,16 @@ DRIVEN_CLASSES = (
     NixlPullConnector,
     KVOutputAggregator,
 )
+
+
+def _kv_cache_groups(block_size: int, sliding_window: int | None) -> list[KVCacheGroupSpec]:
+    shape = {"block_size": block_size, "num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE,
+             "dtype": torch.float32}
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**shape))]
+    if sliding_window is not None:
+        groups.append(KVCacheGroupSpec(["model.layers.1.self_attn.attn"],
+                                       SlidingWindowSpec(sliding_window=sliding_window, **shape)))
+    return groups
 
 
 def patched_methods() -> list[str]:
@@ -341,6 +356,11 @@ class World:
     NIXL worker reading its part of R's layers, merged by `KVOutputAggregator`
     over `world_size` like the executor does.
 
+    `sliding_window=32` builds a hybrid model's KV cache (layer 0 full attention,
+    layer 1 a sliding window of that many tokens): two KV-cache groups sharing one
+    block pool, as vLLM's hybrid allocator lays out Gemma-/Mistral-style models.
+    NIXL then pulls per group and clips the sliding-window group to its window.
+
     `unpatched_ranks=(1,)` models worker ranks our hotfix did not reach (Ray
     workers without our PYTHONPATH, a worker-side revert): there the world calls
     MultiConnector's own worker methods (not our wrappers, which are on the
@@ -362,6 +382,7 @@ class World:
         prefix_caching: bool = True,
         pp: int = 1,
         unpatched_ranks: Iterable[int] = (),
+        sliding_window: int | None = None,
     ) -> None:
         self.children = list(children)
         self.tp = tp
@@ -385,17 +406,7 @@ class World:
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    ["model.layers.0.self_attn.attn"],
-                    FullAttentionSpec(
-                        block_size=block_size,
-                        num_kv_heads=NUM_KV_HEADS,
-                        head_size=HEAD_SIZE,
-                        dtype=torch.float32,
-                    ),
-                )
-            ],
+            kv_cache_groups=_kv_cache_groups(block_size, sliding_window),
             **_deferred_loads_kwargs(defer_async_loads, num_blocks),
         )
         connectors.attach(self._id, self)
@@ -614,10 +625,7 @@ class World:
 
     def _load_script(self, events: list[Event]) -> None:
         for event in sorted(events, key=lambda e: e.step):
-            if isinstance(event, Arrive):
-                for child, tokens in event.hits.items():
-                    self._hits[(event.req, child)] = tokens
-            elif isinstance(event, (LoadDone, LoadFailed, SaveDone)):
+            if isinstance(event, (LoadDone, LoadFailed, SaveDone)):
                 if isinstance(event, LoadFailed) and not FAILED_RECVS_SUPPORTED:
                     raise ValueError("LoadFailed: this vLLM has no failed_recving (0.30+)")
                 kind = "save" if isinstance(event, SaveDone) else "load"
@@ -650,7 +658,9 @@ class World:
 
     def _tick(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, Arrive):
+            if isinstance(event, Arrive):  # hits are per arrival: an id may arrive again
+                for child in self.children:
+                    self._hits[(event.req, child.name)] = event.hits.get(child.name, 0)
                 self._call("add_request", self.scheduler.add_request, self._request(event))
             elif isinstance(event, Abort) and event.during_execution:
                 self._pending_aborts.append(event.req)
