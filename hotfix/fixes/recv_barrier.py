@@ -253,15 +253,39 @@ def _degrade_scheduler(instance, target: str, exc: BaseException) -> None:
 # ---------------------------------------------------------------------------------------
 
 def loads_started(child_metadata) -> Set[str]:
-    """Requests whose blocks this child's bound metadata starts writing into."""
+    """Requests whose blocks this child's bound metadata starts writing into.
+
+    Shapes read: NIXL ``reqs_to_recv`` ({req_id: meta with ``local_block_ids``}); LMCache MP
+    ``requests`` (ops with ``request_id`` and ``direction == "RETRIEVE"``: LMCache's own
+    ``lmcache_mp_metadata.LMCacheMPConnectorMetadata``, 0.5.4 and 0.5.6, which vLLM runs when
+    lmcache ships it, and vLLM's in-tree copy). A metadata that has either field in another
+    form, or an LMCache class with neither, is reported once per class (WARNING): the barrier
+    cannot see that child's stray loads, which then behave as on stock.
+    """
     recv = getattr(child_metadata, "reqs_to_recv", None)  # NIXL
     if isinstance(recv, dict):
         return {req_id for req_id, meta in recv.items() if _has_blocks(getattr(meta, "local_block_ids", ()))}
     ops = getattr(child_metadata, "requests", None)  # LMCache MP
-    if isinstance(ops, list):
-        return {op.request_id for op in ops
-                if getattr(op, "direction", None) == "RETRIEVE" and hasattr(op, "request_id")}
+    if isinstance(ops, (list, tuple)) and all(hasattr(op, "request_id") and hasattr(op, "direction")
+                                              for op in ops):
+        return {op.request_id for op in ops if _is_retrieve(op.direction)}
+    if recv is not None or ops is not None or _looks_like_lmcache(child_metadata):
+        cls = type(child_metadata)
+        _once(("unreadable", cls.__module__, cls.__qualname__), "warning", "hotfix.recv.unreadable_metadata",
+              metadata=f"{cls.__module__}:{cls.__qualname__}",
+              reason="neither NIXL reqs_to_recv nor LMCache MP requests of RETRIEVE/STORE ops",
+              action="this child's loads are not seen by the barrier (stock behaviour for them)")
     return set()
+
+
+def _is_retrieve(direction) -> bool:
+    """LMCache MP's ``direction`` is the str "RETRIEVE"; an Enum of that name or value counts too."""
+    return "RETRIEVE" in (direction, getattr(direction, "name", None), getattr(direction, "value", None))
+
+
+def _looks_like_lmcache(child_metadata) -> bool:
+    cls = type(child_metadata)
+    return child_metadata is not None and "lmcache" in f"{cls.__module__}.{cls.__qualname__}".lower()
 
 
 def _has_blocks(block_ids) -> bool:

@@ -74,6 +74,7 @@ class _Child(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.load_steps = int(extra.get("load_steps", self.default_load_steps))
+        self.remote_tokens = int(extra.get("remote_tokens", 0))
         self._served: set[str] = set()  # scheduler: requests whose hit was acted on
         self._steps_left: dict[str, int] = {}  # worker: loads in flight
         drop_hotfix_if_asked(extra, role == KVConnectorRole.SCHEDULER)
@@ -87,7 +88,12 @@ class _Child(KVConnectorBase_V1, SupportsHMA):
         return bool(params.get(LOAD_MARKER)) and request.request_id not in self._served
 
     def _remote_hit(self, request, num_computed_tokens: int) -> int:
-        return len(request.prompt_token_ids) - num_computed_tokens if self._has_remote_kv(request) else 0
+        """The rest of the prompt, or the first ``remote_tokens`` of it when the extra config
+        says so (to claim exactly what a real cache beside it holds)."""
+        if not self._has_remote_kv(request):
+            return 0
+        end = min(len(request.prompt_token_ids), self.remote_tokens or len(request.prompt_token_ids))
+        return max(0, end - num_computed_tokens)
 
     def request_finished_all_groups(self, request, block_ids):
         self._served.discard(request.request_id)
@@ -244,3 +250,17 @@ def multi_connector_config(slow_steps: int, fast_steps: int = 1, report_dir: str
     return {"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
             "kv_connector_extra_config": {"connectors": [child("SlowLoader", slow_steps),
                                                          child("FastLoader", fast_steps)]}}
+
+
+def slow_loader_beside_lmcache_config(slow_steps: int, remote_tokens: int, lmcache_extra: dict) -> dict:
+    """The bug report's decode node with the real LMCache: ``MultiConnector[SlowLoader,
+    LMCacheMPConnector]``. SlowLoader (NIXL-like, listed first, so chosen) claims the first
+    ``remote_tokens`` of a marked prompt — what LMCache holds of it — and writes nothing;
+    LMCache's own connector (``kv_both``, vLLM resolves the name to lmcache's class) stores
+    every prompt and, up to lmcache 0.5.4, retrieves a hit although it was not chosen."""
+    slow = {"kv_connector": "SlowLoader", "kv_role": "kv_consumer", "kv_connector_module_path": MODULE,
+            "kv_connector_extra_config": {"load_steps": slow_steps, "remote_tokens": remote_tokens}}
+    lmcache = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": lmcache_extra}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [slow, lmcache]}}

