@@ -5,6 +5,8 @@ All engines start side by side once per module: one prefill engine serves every 
 engine. It is also the single-engine reference: a request without ``kv_transfer_params``
 never touches its connector, and prefix caching is off there, so each reference computes
 its prompt from scratch. Prompts differ per test so no decode engine reuses cached blocks.
+Before the tests each decode engine makes its first NIXL handshake with the prefill engine
+(``warm_up``: one-token transfers until it passes), so no test depends on first contact.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from tests.worlds.pd_world import (
     timeline,
     transfer,
     transfer_then_abort,
+    warm_up,
 )
 
 MAX_TOKENS = 8
@@ -95,6 +98,8 @@ def pd(request, tmp_path_factory):
         )
         for engine in world.engines:
             engine.wait_ready()
+        for name in sorted(wanted):  # every decode's first NIXL handshake, before the tests
+            warm_up(engines.prefill, getattr(engines, name))
         yield engines
 
 

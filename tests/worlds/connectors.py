@@ -10,6 +10,16 @@ through `kv_connector_extra_config["world"]` and asks it when to report.
   scheduler gives it `num_external_tokens > 0` (lmcache >= 0.5.5).
 * `BuggyLMCacheMPLoader`: the same, but retrieves its own hit although
   MultiConnector passed it 0 tokens (lmcache <= 0.5.4, in-tree MP <= 0.29).
+
+  What the real one (LMCache's own `LMCacheMPConnector`, 0.5.4/0.5.6, which the engine world
+  runs against a real server: tests/test_engine_world_lmcache.py) does and these model: its
+  metadata is `LMCacheMPConnectorMetadata.requests`, a list of `LMCacheMPRequestMetadata`
+  (`request_id`, `direction` the str "RETRIEVE"/"STORE", `op` with per-group `block_ids`);
+  0.5.4's `update_state_after_alloc` retrieves whenever its lookup hit exceeds vLLM's
+  (`tracker.needs_retrieve()`), 0.5.6 only with `num_external_tokens > 0`. What they do not
+  model: the server lookup that makes the real hit asynchronous (a request can wait a step
+  for it), retrieves and stores in whole chunks (256 tokens by default), the bytes (these
+  write nothing), and 0.5.6's `BYPASS_LMCACHE` after a failed load.
 * `NixlPullLoader`: vLLM's real `NixlPullConnector` scheduler side (its
   `request_finished`, heartbeats and metadata are the production code); only
   the worker's UCX READ is emulated, because NIXL cannot run in-process here.
