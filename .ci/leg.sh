@@ -185,7 +185,7 @@ HF_HUB_OFFLINE=1 "$PY" -m hotfix status --json >"$STATUS" || true
 echo "== python -m hotfix status --json ($STATUS; the tests compare it with the support table):"
 cat "$STATUS"
 set +e
-HF_HUB_OFFLINE=1 "$PY" -m pytest --junitxml="$OUT/junit-$LEG.xml" "${SELECTION[@]}"
+HOTFIX_REQUIRE_LMCACHE=$LMCACHE HF_HUB_OFFLINE=1 "$PY" -m pytest --junitxml="$OUT/junit-$LEG.xml" "${SELECTION[@]}"
 rc=$?
 set -e
 T2=$(now)

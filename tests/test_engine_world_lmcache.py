@@ -14,12 +14,11 @@ gets a fresh server and engine (~70-85 s on 2 cores).
 """
 from __future__ import annotations
 
-import pytest
 
 from conftest import clean_env
 from tests.worlds import engine_connectors
 from tests.worlds.engine_world import PYTHONPATH, STOCK, EngineRun, Req, run_engine
-from tests.worlds.lmcache_server import LMCacheServer, release_dir
+from tests.worlds.lmcache_server import LMCacheServer, require_release
 
 CHUNK = 256  # the server's --chunk-size: LMCache stores and retrieves whole chunks
 R_PROMPT = tuple(10 + (7 * i) % 240 for i in range(CHUNK + 44))
@@ -30,9 +29,7 @@ DEATHS = ("assert req_id in self.requests", "assert RequestStatus.is_finished(re
 
 
 def run_with_lmcache(version: str, variant: str, tmp_path) -> tuple[EngineRun, str]:
-    release = release_dir(version)
-    if release is None:
-        pytest.skip(f"lmcache {version} is not installed under $VENV/lmcache (.ci/leg.sh installs it)")
+    release = require_release(version)
     log = tmp_path / f"lmcache-{version}-{variant}.log"
     with LMCacheServer(release, log, clean_env()) as server:
         config = engine_connectors.slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config())

@@ -11,14 +11,10 @@ site-packages, so no other test's vLLM sees LMCache.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from conftest import REPO, last_json, run_py
-
-LMCACHE_ROOT = Path(sys.prefix) / "lmcache"
+from tests.worlds.lmcache_server import require_release
 
 PROBE = """
 import json, sys
@@ -45,10 +41,7 @@ print(json.dumps({{"runs": runs.__module__ + ":" + runs.__qualname__,
 
 @pytest.mark.parametrize("version", ["0.5.4", "0.5.6"])
 def test_a_real_lmcache_retrieve_is_seen_as_a_load_and_a_store_is_not(version):
-    release = LMCACHE_ROOT / version
-    if not release.is_dir():
-        pytest.skip(f"lmcache {version} not under {LMCACHE_ROOT} "
-                    f"(pip install --no-deps --target {release} lmcache=={version})")
+    release = require_release(version)
     seen = last_json(run_py(PROBE.format(repo=str(REPO)), path=[release], timeout=180))
     assert seen == {
         "runs": "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector",

@@ -7,13 +7,11 @@ import os
 import pytest
 
 from conftest import clean_env
-from tests.worlds.lmcache_server import LMCacheServer, release_dir
+from tests.worlds.lmcache_server import LMCacheServer, require_release
 
 
 def test_the_real_lmcache_server_answers_then_stops_with_its_process_group_and_leaves_no_shm(tmp_path):
-    release = release_dir("0.5.4")
-    if release is None:
-        pytest.skip("lmcache 0.5.4 is not installed under $VENV/lmcache (.ci/leg.sh installs it)")
+    release = require_release("0.5.4")
     with LMCacheServer(release, tmp_path / "lmcache.log", clean_env()) as server:
         assert server.healthy()
         assert "cache server is running" in server.log_tail()
