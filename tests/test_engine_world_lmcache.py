@@ -14,7 +14,6 @@ gets a fresh server and engine (~70-85 s on 2 cores).
 """
 from __future__ import annotations
 
-
 from conftest import clean_env
 from tests.worlds import engine_connectors
 from tests.worlds.engine_world import PYTHONPATH, STOCK, EngineRun, Req, run_engine
