@@ -5,6 +5,9 @@ vLLM imports this module in the decode engine's EngineCore (scheduler side) and 
 each worker-side instance counts engine steps by its own ``start_load_kv`` calls (one per
 step, forward or not).
 
+* ``NixlConnector`` — vLLM's own class, re-exported: the prefill engine and the NIXL-only
+  decode load it through this module, so that :func:`poll_nixl_progress_instead_of_spinning`
+  runs in their processes too.
 * ``DelayedReadNixlConnector`` — the real ``NixlConnector`` (its scheduler, metadata, READ,
   completion report and ``request_finished`` are vLLM's), except that the worker hands a
   pull to NIXL ``read_delay_steps`` steps after the metadata asked for it. That stands in
@@ -26,6 +29,7 @@ step, forward or not).
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from dataclasses import dataclass
 
@@ -35,11 +39,46 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector, NixlPullConnector
 from vllm.logger import init_logger
 from without_hotfix import drop_hotfix_if_asked
 
 logger = init_logger("vllm.pd_world")
+
+__all__ = ["NixlConnector", "DelayedReadNixlConnector", "EagerRetrieveConnector"]
+
+NIXL_PROGRESS_POLL_US = 1000
+
+
+def poll_nixl_progress_instead_of_spinning() -> None:
+    """Make NIXL's UCX progress thread wait in ``poll()`` (up to 1 ms) instead of spinning.
+
+    NIXL's Python agent sets ``pthrDelay = 0``; its UCX backend's shared progress thread then
+    calls ``poll(fds, 0)`` in a loop and keeps one core busy per NIXL agent, idle or not
+    (measured here: 100 % of a core per engine worker). A GPU node has cores to spare; a
+    2-core CI machine running seven engines does not: decode steps took 20 s, first
+    handshakes missed NIXL's 5-s timeout and P's leases lapsed. With a delay the same thread
+    sleeps on UCX's event fds and wakes on each event or after 1 ms, so transfers still
+    progress without any call from vLLM. Only the delay changes: vLLM's and NIXL's code,
+    backends and threads are the real ones.
+    """
+    from vllm.distributed import nixl_utils
+
+    bindings = sys.modules[nixl_utils.NixlWrapper.__module__].nixlBind
+    if getattr(bindings.nixlAgent, "pd_world_polls", False):
+        return
+
+    class PolledProgressAgent(bindings.nixlAgent):
+        pd_world_polls = True
+
+        def __init__(self, name, config):
+            config.pthrDelay = max(config.pthrDelay, NIXL_PROGRESS_POLL_US)
+            super().__init__(name, config)
+
+    bindings.nixlAgent = PolledProgressAgent
+
+
+poll_nixl_progress_instead_of_spinning()
 
 
 def _extra(vllm_config) -> dict:

@@ -4,7 +4,10 @@ Each engine is a process tree of its own (this module's driver â†’ EngineCore â†
 started in a fresh session so that :meth:`PDWorld.close` can end every process in it, and
 driven over a socket pair with one request batch at a time. The driver runs the real
 ``vllm.LLM``; both engines use the real ``NixlConnector`` (pull mode: the decode node READs
-the prompt's blocks from the prefill node), CPU KV buffers and UCX over TCP.
+the prompt's blocks from the prefill node), CPU KV buffers and UCX over TCP. Every engine
+loads its connectors through ``pd_connectors``, which makes NIXL's progress thread wait in
+``poll()`` for up to 1 ms instead of spinning (``poll_nixl_progress_instead_of_spinning``:
+stock, it keeps a core busy per engine, and this world runs up to seven on two cores).
 
 Only the files this world names are importable in the engines: this module and
 ``pd_connectors`` are copied into a per-world directory that is the engines' PYTHONPATH,
@@ -94,12 +97,14 @@ def prefill_config() -> dict:
     D's heartbeats renew, and those need D's NIXL handshake done. On 2 busy cores a first
     handshake plus READ has taken ~45 s, past the 30 s default (P then logs "Releasing
     expired KV blocks" and D reads freed blocks): the lease here leaves room for that."""
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+    return {"kv_connector": "NixlConnector", "kv_connector_module_path": CONNECTORS_MODULE,
+            "kv_role": "kv_producer", "kv_buffer_device": "cpu",
             "kv_connector_extra_config": {"kv_lease_duration": 120}}
 
 
 def decode_nixl_config() -> dict:
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+    return {"kv_connector": "NixlConnector", "kv_connector_module_path": CONNECTORS_MODULE,
+            "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
 
 
 def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
