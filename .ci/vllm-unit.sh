@@ -10,8 +10,9 @@
 #    (.ci/hf_config_cache.py; HF_HUB_OFFLINE=1, no model hub is reachable);
 # 2. installs the test deps vLLM's CPU test requirements pin (.ci/legs/vllm-unit.deps) into the
 #    venv and fails if that would move any distribution already there (torch, numpy, ...);
-# 3. runs the selection (.ci/legs/vllm-unit.tests) twice from that directory, one test at a
-#    time, full outcomes (no -x), pytest-timeout per test:
+# 3. runs the selection (.ci/legs/vllm-unit.tests) twice from that directory, the two runs side
+#    by side (HOTFIX_UNIT_SERIAL=1: one after the other), each one test at a time, full
+#    outcomes (no -x), pytest-timeout per test:
 #      stock   no PYTHONPATH, no HOTFIX_* variable; checked: `hotfix` is not importable there
 #              and no hotfix status file appears;
 #      hotfix  PYTHONPATH=<repo> (as operators deliver it), HOTFIX_STATUS_DIR=<temp dir>, the
@@ -28,6 +29,7 @@
 #   HOTFIX_UNIT_TESTS    selection file (default .ci/legs/vllm-unit.tests)
 #   HOTFIX_UNIT_TIMEOUT  per-test timeout in s (default 120)
 #   HOTFIX_UNIT_KEEP_DEPS=1  leave the test deps installed
+#   HOTFIX_UNIT_SERIAL=1 run stock, then hotfix (default: side by side)
 #   HOTFIX_UNIT_CACHE    where the sdist is kept (default ~/.cache/vllm-hotfix)
 # Artifacts in HOTFIX_LEG_OUT (LEG = vllm-unit): junit-LEG-stock.xml, junit-LEG-hotfix.xml,
 # diff-LEG.txt, summary-LEG.txt, status-LEG.json, times-LEG.txt (read by .ci/matrix_table.py).
@@ -44,6 +46,7 @@ OUT=$(cd "$OUT" && pwd)
 KNOWN=${HOTFIX_UNIT_KNOWN-}
 TIMEOUT=${HOTFIX_UNIT_TIMEOUT:-120}
 KEEP_DEPS=${HOTFIX_UNIT_KEEP_DEPS:-0}
+SERIAL=${HOTFIX_UNIT_SERIAL:-0}
 
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", b - a }'; }
@@ -153,9 +156,15 @@ eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.value
 assert not eps, f"hotfix plugin entry point installed: {eps}"
 ') || bad=1
 T3=$(now)
-run stock HOTFIX_STATUS_DIR="$WORK/status-stock" || bad=1
-T4=$(now)
-run hotfix PYTHONPATH="$REPO" HOTFIX_STATUS_DIR="$WORK/status-hotfix" "${TOGGLES[@]}" || bad=1
+# The two runs go side by side (each is one single-threaded pytest process: on 2 cores the
+# leg takes about one run's time); HOTFIX_UNIT_SERIAL=1 runs them one after the other.
+run stock HOTFIX_STATUS_DIR="$WORK/status-stock" &
+STOCK_PID=$!
+[ "$SERIAL" = 1 ] && { wait "$STOCK_PID" || bad=1; }
+run hotfix PYTHONPATH="$REPO" HOTFIX_STATUS_DIR="$WORK/status-hotfix" "${TOGGLES[@]}" &
+HOTFIX_PID=$!
+[ "$SERIAL" = 1 ] || { wait "$STOCK_PID" || bad=1; }
+wait "$HOTFIX_PID" || bad=1
 T5=$(now)
 if compgen -G "$WORK/status-stock/*.json" >/dev/null; then
   echo "   the stock run wrote hotfix status files: the hotfix was active there" >&2
@@ -193,6 +202,6 @@ fi
 T7=$(now)
 printf 'build %s\ntests %s\n' "$(secs "$T0" "$T2")" "$(secs "$T3" "$T5")" >"$OUT/times-$LEG.txt"
 echo "== leg $LEG: sdist $(secs "$T0" "$T1") s, test deps $(secs "$T1" "$T2") s," \
-  "stock $(secs "$T3" "$T4") s, hotfix $(secs "$T4" "$T5") s, deps removed $(secs "$T6" "$T7") s;" \
+  "stock and hotfix runs $(secs "$T3" "$T5") s, deps removed $(secs "$T6" "$T7") s;" \
   "total $(secs "$T0" "$T7") s wall: $([ "$bad" = 0 ] && echo ok || echo FAILED)"
 exit "$bad"

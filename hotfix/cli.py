@@ -204,7 +204,7 @@ def _precompile(dest: str) -> None:
 def cmd_repro(args) -> int:
     from hotfix import repro
 
-    return repro.main(args.world, args.json)
+    return repro.main(args.world, args.json, args.lmcache)
 
 
 def main(argv=None) -> int:
@@ -223,6 +223,9 @@ def main(argv=None) -> int:
     p_repro = sub.add_parser("repro", help="the bug report's races on this vLLM, stock vs hotfix")
     p_repro.add_argument("--world", choices=("scheduler", "pd"), default="scheduler")
     p_repro.add_argument("--json", action="store_true")
+    p_repro.add_argument("--lmcache", nargs="?", const="", default=None, metavar="DIR",
+                         help="pd world: the real LMCache as the decode's second connector "
+                              "(lmcache from DIR, a pip --target directory, or this interpreter's)")
     p_repro.set_defaults(func=cmd_repro)
     args = parser.parse_args(argv)
     try:

@@ -11,7 +11,11 @@ Exit 0 when every stock run failed as the bug report says and every hotfix run w
 - ``scheduler`` (default, about a minute on 2 cores): the real Scheduler, MultiConnector and
   NIXL scheduler in this process, test connectors loaded by vLLM;
 - ``pd`` (several minutes, needs ``nixl``): a prefill and two decode engines (stock, hotfix)
-  moving KV through NIXL/UCX on loopback, the decode node as in the bug report.
+  moving KV through NIXL/UCX on loopback, the decode node as in the bug report;
+  ``--lmcache [DIR]`` makes the decode's second connector the real LMCache (a ``lmcache
+  server`` and LMCache's own ``LMCacheMPConnector``; lmcache from DIR, a ``pip install
+  --target`` directory, or else the one this interpreter imports) and the traffic a two-turn
+  conversation whose first turn D's LMCache stored.
 """
 from __future__ import annotations
 
@@ -73,9 +77,7 @@ def pd_world(max_tokens: int = 8) -> list:
 
     home = _home()
     root = Path(tempfile.mkdtemp(prefix="hotfix-repro-pd-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOTFIX_")}
-    env.pop("PYTHONPATH", None)
-    env["VLLM_PLUGINS"] = ""  # a pip-installed hotfix must not patch the stock engine
+    env = _stock_env()
     rng = random.Random(7)
     clean, racy, after = ([rng.randrange(3, pd.VOCAB_SIZE) for _ in range(n)] for n in (70, 100, 90))
     outcomes = {}
@@ -105,16 +107,81 @@ def pd_world(max_tokens: int = 8) -> list:
              and outcomes["hotfix"] == "tokens equal the reference"}]
 
 
+LMCACHE_INSTALL = ("pip install --no-deps lmcache==0.5.4 sortedcontainers  (or with --target DIR, "
+                   "then --lmcache DIR; 0.5.4 carries the defect, 0.5.6 does not)")
+
+
+def lmcache_release(where: str) -> Path | None:
+    """The directory to put on the engines' path for lmcache (None: this interpreter's own)."""
+    import importlib.util
+
+    if where:
+        path = Path(where).resolve()
+        if not (path / "lmcache" / "__init__.py").is_file():
+            raise SystemExit(f"repro --lmcache {where}: no lmcache package there; {LMCACHE_INSTALL}")
+        return path
+    if importlib.util.find_spec("lmcache") is None:
+        raise SystemExit(f"repro --lmcache: lmcache is not installed here; {LMCACHE_INSTALL}")
+    return None
+
+
+def pd_lmcache_world(release: Path | None, max_tokens: int = 8) -> list:
+    from tests.worlds import pd_world as pd
+    from tests.worlds.lmcache_server import LMCacheServer
+
+    home = _home()
+    root = Path(tempfile.mkdtemp(prefix="hotfix-repro-pd-lmcache-"))
+    env = _stock_env()
+    rng = random.Random(7)
+    question, new_text = ([rng.randrange(3, pd.VOCAB_SIZE) for _ in range(40)] for _ in range(2))
+    extra = (release,) if release else ()
+    outcomes = {}
+    with LMCacheServer(release, root / "lmcache-server.log", env, transfer_mode="engine_driven") as server, \
+            pd.PDWorld(root, pd.build_model(root / "model"), env) as world:
+        config = pd.decode_bug_report_lmcache_config(2.0, server.connector_config())
+        prefill = world.start("prefill", pd.prefill_config(), engine_args={"enable_prefix_caching": False})
+        decodes = {"stock": world.start("decode-stock", config, extra_path=extra),
+                   "hotfix": world.start("decode-hotfix", config, extra_path=extra, hotfix_home=home)}
+        for engine in world.engines:
+            engine.wait_ready()
+        for label, decode in decodes.items():
+            pd.warm_up(prefill, decode)
+            findings = []
+            try:
+                turn = pd.two_turn_conversation(prefill, decode, question, new_text, 300, max_tokens)
+                if not turn.answer_ok:
+                    findings.append("wrong tokens for turn 1")
+                if turn.tokens != turn.expected:
+                    findings.append("wrong tokens for turn 2")
+                pd.transfer(prefill, decode, new_text, max_tokens)
+            except pd.EngineFailure as exc:
+                findings.append(f"decode engine died ({exc.kind})")
+            outcomes[label] = "; then ".join(findings) or "tokens equal the reference"
+    return [{"world": "pd", "race": "bug report + real LMCache", "stock": outcomes["stock"],
+             "hotfix": outcomes["hotfix"],
+             "ok": outcomes["stock"] != "tokens equal the reference"
+             and outcomes["hotfix"] == "tokens equal the reference"}]
+
+
+def _stock_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOTFIX_")}
+    env.pop("PYTHONPATH", None)
+    env["VLLM_PLUGINS"] = ""  # a pip-installed hotfix must not patch the stock engine
+    return env
+
+
 WORLDS = {"scheduler": scheduler_world, "pd": pd_world}
 
 
-def main(world: str = "scheduler", as_json: bool = False) -> int:
+def main(world: str = "scheduler", as_json: bool = False, lmcache: str | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The stock runs must be stock: no automatic activation in this process (a shim on our
     # PYTHONPATH would otherwise patch vLLM on import); the hotfix runs apply it explicitly.
     os.environ["HOTFIX_DISABLE"] = "1"
     os.environ.setdefault("HOTFIX_STATUS_DIR", tempfile.mkdtemp(prefix="hotfix-repro-status-"))
-    rows = WORLDS[world]()
+    if lmcache is not None and world != "pd":
+        raise SystemExit("repro --lmcache runs in the pd world: add --world pd")
+    rows = pd_lmcache_world(lmcache_release(lmcache)) if lmcache is not None else WORLDS[world]()
     if as_json:
         print(json.dumps(rows, indent=2))
     else:

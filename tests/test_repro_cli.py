@@ -16,3 +16,11 @@ def test_repro_shows_every_scheduler_race_failing_on_stock_and_clean_with_the_ho
     assert len(rows) == 7 and all(r["ok"] for r in rows), rows
     assert all(r["hotfix"] == "clean" for r in rows)
     assert {r["stock"].split(":")[0] for r in rows} == {"EngineCore dies", "silent"}
+
+
+def test_repro_lmcache_without_lmcache_names_the_install_command(tmp_path):
+    for argv, says in ((["repro", "--world", "pd", "--lmcache", str(tmp_path)], "pip install --no-deps lmcache=="),
+                       (["repro", "--lmcache"], "add --world pd")):
+        proc = run_py(f"import sys; from hotfix.cli import main; sys.exit(main({argv!r}))",
+                      path=[REPO], env=clean_env(), timeout=120)
+        assert proc.returncode != 0 and says in proc.stderr, (argv, proc.stderr[-2000:])

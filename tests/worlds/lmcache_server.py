@@ -3,11 +3,22 @@
 It runs the lmcache release found under ``$VENV/lmcache/<version>`` (``.ci/leg.sh`` installs
 0.5.4 and 0.5.6 there, ``--no-deps``, outside site-packages) in its own session, on free
 loopback ports (ZMQ for the connectors, HTTP for ``/healthcheck``), CPU only: its L1 pool is
-allocated up front in the server's own memory (the MP server turns its SHM segment off unless
-``--shm-name`` asks for engine-driven transfers), so ``--l1-size-gb 1`` costs about 1.4 GB of
-RSS and nothing in ``/dev/shm``. Stopping it ends the whole process group and removes any
-``/dev/shm`` entry with "lmcache" in its name that appeared while it ran, on success, failure
-and timeout alike.
+allocated up front in the server's own memory, so ``--l1-size-gb 1`` costs about 1.4 GB of
+RSS. Stopping it ends the whole process group and removes any ``/dev/shm`` entry with
+"lmcache" in its name that appeared while it ran, on success, failure and timeout alike.
+
+Two transfer modes (``transfer_mode``; the connector config names the same one):
+
+* ``lmcache_driven`` (the default, the bug report's): the server reads and writes the
+  engine's KV itself. On CPU the worker makes that possible by moving its KV cache tensors
+  into shared memory (``tensor.set_()`` onto a ``/dev/shm/lmcache_kv_*`` segment) when
+  MultiConnector registers the caches — after NIXL, listed first, has registered the
+  original buffers. NIXL's READs then land in memory the model no longer reads (measured:
+  a NIXL-only transfer decodes wrong from its second token, 0.5.4 and 0.5.6 alike). On GPU
+  the same mode shares the memory through CUDA IPC without moving it.
+* ``engine_driven``: the worker copies between its own KV tensors and a server-side SHM
+  segment (``--shm-name``, "lmcache" in its name), so the KV stays where NIXL registered
+  it. The P/D world, where NIXL and LMCache share the decode's KV, uses this one.
 """
 from __future__ import annotations
 
@@ -64,20 +75,26 @@ class LMCacheServer:
     """``with LMCacheServer(release, log_path, env) as server:`` — ``server.connector_config()``
     is the ``kv_connector_extra_config`` of an ``LMCacheMPConnector`` that talks to it."""
 
-    def __init__(self, release: Path, log_path: Path, env: dict, l1_size_gb: int = 1) -> None:
+    def __init__(self, release: Path | None, log_path: Path, env: dict, l1_size_gb: int = 1,
+                 transfer_mode: str = "lmcache_driven") -> None:
+        """``release``: a directory holding an lmcache install, or None for the one this
+        interpreter imports."""
         self.release = release
         self.log_path = log_path
-        self.env = {**env, "PYTHONPATH": str(release), "LMCACHE_TRACK_USAGE": "false"}
+        self.env = {**env, "LMCACHE_TRACK_USAGE": "false"}
+        if release is not None:
+            self.env["PYTHONPATH"] = str(release)
         self.l1_size_gb = l1_size_gb
+        self.transfer_mode = transfer_mode
         self.port = self.http_port = 0
         self.process: subprocess.Popen | None = None
         self._shm_before: set[str] = set()
 
     def connector_config(self) -> dict:
-        # lmcache_driven: a CPU worker would otherwise ask for engine_driven transfers, which
-        # the server does not offer by default ("No handler registered for operation ...").
+        # The mode is always named: a CPU worker would otherwise ask for engine_driven
+        # transfers, which a default server does not offer ("No handler registered ...").
         return {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port,
-                "lmcache.mp.mp_transfer_mode": "lmcache_driven", "lmcache.mp.mq_timeout": 60}
+                "lmcache.mp.mp_transfer_mode": self.transfer_mode, "lmcache.mp.mq_timeout": 60}
 
     def __enter__(self) -> "LMCacheServer":
         self.port, self.http_port = _free_port(), _free_port()
@@ -87,6 +104,8 @@ class LMCacheServer:
                    "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
                    "--l1-size-gb", str(self.l1_size_gb), "--eviction-policy", "LRU",
                    "--chunk-size", "256", "--disable-metrics"]
+        if self.transfer_mode == "engine_driven":
+            command += ["--supported-transfer-mode", "engine_driven", "--shm-name", f"lmcache_world_{self.port}"]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)

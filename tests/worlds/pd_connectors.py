@@ -10,9 +10,12 @@ step, forward or not).
   runs in their processes too.
 * ``DelayedReadNixlConnector`` — the real ``NixlConnector`` (its scheduler, metadata, READ,
   completion report and ``request_finished`` are vLLM's), except that the worker hands a
-  pull to NIXL ``read_delay_steps`` steps after the metadata asked for it. That stands in
-  for a GB-scale pull over TCP on a model whose KV is a few KiB: test-only, no vLLM file
-  changes, and the hotfix still sees the pull at bind time (``reqs_to_recv``) as it would.
+  pull to NIXL ``read_delay_steps`` steps after the metadata asked for it, and not before
+  ``read_delay_s`` seconds have passed (a step count orders it against this module's cache
+  double; against a real second connector, whose retrieve takes real time, only seconds do).
+  That stands in for a GB-scale pull over TCP on a model whose KV is a few KiB: test-only,
+  no vLLM file changes, and the hotfix still sees the pull at bind time (``reqs_to_recv``)
+  as it would.
   It also ships, with each step's metadata, the blocks every request was allocated and
   the requests vLLM finished (``request_finished``: finish, abort) since the last step, so
   the worker logs them, READs and NIXL's reports on one step scale and one clock (``t=``,
@@ -92,8 +95,9 @@ class DelayedReadNixlConnector(NixlPullConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         drop_hotfix_if_asked(_extra(vllm_config), role == KVConnectorRole.SCHEDULER)
         self._read_delay_steps = int(_extra(vllm_config).get("read_delay_steps", 0))
+        self._read_delay_s = float(_extra(vllm_config).get("read_delay_s", 0.0))
         self._step = 0
-        self._held: dict[str, tuple[int, object]] = {}  # req_id -> (release step, ReqMeta)
+        self._held: dict[str, tuple[int, float, object]] = {}  # req_id -> (step, time it is due, ReqMeta)
         # scheduler side, since the last metadata: req_id -> blocks allocated; finished req_ids
         self._allocated: dict[str, list[int]] = {}
         self._finished: list[tuple[str, float]] = []
@@ -122,10 +126,11 @@ class DelayedReadNixlConnector(NixlPullConnector):
             logger.info("pd_world: %s allocated blocks %s at step %d (t=%.3f)", req_id, block_ids,
                         self._step, now)
         for req_id, meta in metadata.reqs_to_recv.items():
-            self._held[req_id] = (self._step + self._read_delay_steps, meta)
-            logger.info("pd_world: NIXL pull of %s asked at step %d, READ starts at step %d",
-                        req_id, self._step, self._step + self._read_delay_steps)
-        due = {req_id: meta for req_id, (at, meta) in self._held.items() if at <= self._step}
+            self._held[req_id] = (self._step + self._read_delay_steps, now + self._read_delay_s, meta)
+            logger.info("pd_world: NIXL pull of %s asked at step %d, READ due at step %d and after %.1f s",
+                        req_id, self._step, self._step + self._read_delay_steps, self._read_delay_s)
+        due = {req_id: meta for req_id, (step, at, meta) in self._held.items()
+               if step <= self._step and at <= now}
         for req_id, meta in due.items():
             del self._held[req_id]
             logger.info("pd_world: NIXL READ of %s starts at step %d into blocks %s", req_id, self._step,

@@ -117,14 +117,32 @@ def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
     worker without the hotfix (``without_hotfix``).
     """
     dropped = {"drop_hotfix_in": drop_hotfix_in} if drop_hotfix_in else {}
-    nixl = {"kv_connector": "DelayedReadNixlConnector", "kv_connector_module_path": CONNECTORS_MODULE,
-            "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"read_delay_steps": read_delay_steps, **dropped}}
     loader = {"kv_connector": "EagerRetrieveConnector", "kv_connector_module_path": CONNECTORS_MODULE,
               "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps,
                                                                   **dropped}}
+    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped}), loader)
+
+
+def decode_bug_report_lmcache_config(read_delay_s: float, lmcache_extra: dict) -> dict:
+    """The bug report's decode node exactly: MultiConnector[NIXL, LMCacheMPConnector (kv_both)],
+    the second child the real LMCache connector (vLLM resolves the name to lmcache's own class
+    when lmcache is on the engine's path) talking to a real ``lmcache server``. NIXL's READ
+    starts ``read_delay_s`` seconds after it was asked, later than any LMCache retrieve here.
+    LMCache stores the chunks D generates too (a decode node's cache holds a conversation's
+    earlier turns only so; 0.5.4 always does, 0.5.6 only with ``save_decode_cache``)."""
+    lmcache = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {**lmcache_extra, "lmcache.mp.save_decode_cache": True}}
+    return _decode_multi_connector(_delayed_nixl({"read_delay_s": read_delay_s}), lmcache)
+
+
+def _delayed_nixl(extra: dict) -> dict:
+    return {"kv_connector": "DelayedReadNixlConnector", "kv_connector_module_path": CONNECTORS_MODULE,
+            "kv_role": "kv_consumer", "kv_buffer_device": "cpu", "kv_connector_extra_config": extra}
+
+
+def _decode_multi_connector(*children: dict) -> dict:
     return {"kv_connector": "MultiConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"connectors": [nixl, loader]}}
+            "kv_connector_extra_config": {"connectors": list(children)}}
 
 
 def prefill_params() -> dict:
@@ -301,10 +319,13 @@ class PDWorld:
         self.close()
 
     def start(self, name: str, kv_transfer_config: dict, *, hotfix_home: Path | None = None,
-              env: dict | None = None, engine_args: dict | None = None) -> Engine:
-        """Launch an engine; call ``wait_ready`` on it (engines may start side by side)."""
-        engine = self._launch(name, kv_transfer_config, hotfix_home, env, engine_args)
-        engine.relaunch = lambda: self._relaunch(engine, kv_transfer_config, hotfix_home, env, engine_args)
+              env: dict | None = None, engine_args: dict | None = None,
+              extra_path: tuple[Path, ...] = ()) -> Engine:
+        """Launch an engine; call ``wait_ready`` on it (engines may start side by side).
+        ``extra_path`` goes on its PYTHONPATH after this world's modules (an lmcache release)."""
+        args = (kv_transfer_config, hotfix_home, env, engine_args, extra_path)
+        engine = self._launch(name, *args)
+        engine.relaunch = lambda: self._relaunch(engine, *args)
         self.engines.append(engine)
         return engine
 
@@ -314,14 +335,14 @@ class PDWorld:
         fresh = self._launch(engine.name, *args)
         engine.log_path, engine.process, engine.conn = fresh.log_path, fresh.process, fresh.conn
 
-    def _launch(self, name, kv_transfer_config, hotfix_home, env, engine_args) -> Engine:
+    def _launch(self, name, kv_transfer_config, hotfix_home, env, engine_args, extra_path) -> Engine:
         port = free_port()
         config_path = self.root / f"{name}.json"
         config_path.write_text(json.dumps({
             "model": str(self.model), "kv_transfer_config": kv_transfer_config,
             "engine_args": {**ENGINE_ARGS, **(engine_args or {})},
         }))
-        path = ([str(hotfix_home)] if hotfix_home else []) + [str(self.modules)]
+        path = ([str(hotfix_home)] if hotfix_home else []) + [str(self.modules)] + [str(p) for p in extra_path]
         full_env = dict(self.base_env)
         full_env.update({
             "PYTHONPATH": os.pathsep.join(path),
@@ -378,6 +399,41 @@ def transfer(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int
             return out.token_ids
         print(f"pd_world: {decode.name}: NIXL {failures} on first contact; retrying once", file=sys.stderr)
     return out.token_ids
+
+
+@dataclass
+class SecondTurn:
+    """Turn 2 of :func:`two_turn_conversation` as the decode engine served it."""
+
+    answer_ok: bool  # turn 1's tokens equal the prefill engine's local decode
+    tokens: list[int]  # D's tokens for turn 2
+    expected: list[int]  # the prefill engine's local greedy decode of turn 2
+    steps: dict[str, int]  # turn 2's worker steps on D (:func:`timeline`)
+    promoted: int  # the step D allocated turn 2 again: promoted from waiting for remote KV
+
+
+def two_turn_conversation(prefill: Engine, decode: Engine, question: list[int], new_text: list[int],
+                          answer_tokens: int, max_tokens: int) -> SecondTurn:
+    """An agent's conversation on a P/D pair whose decode node has a second cache (LMCache).
+
+    Turn 1 (``question``, an ``answer_tokens`` answer) goes P → D, and D's cache stores the
+    chunks D computed while decoding it. D's own prefix cache then drops turn 1
+    (``reset_prefix_cache()``, what a busy engine's eviction does; the second cache's larger
+    pool keeps it). Turn 2 is question + answer + ``new_text``: the second cache has a hit on
+    its first chunk while NIXL pulls the whole prompt from P. Expectations are P's local
+    greedy decodes (P runs with prefix caching off, so it computes each prompt anew)."""
+    answer = transfer(prefill, decode, question, answer_tokens)
+    (local,) = prefill.generate([Request(question, answer_tokens)])
+    follow_up = question + answer + new_text
+    if not decode.reset_prefix_cache():
+        raise EngineFailure(decode, "held_blocks", "blocks still held after turn 1")
+    before = len(decode.log())
+    got = transfer(prefill, decode, follow_up, max_tokens)
+    log = decode.log()[before:]
+    ((req_id, steps),) = timeline(log).items()
+    promoted = [step for step, owner, _ in allocations(log) if owner == req_id][1]
+    (expected,) = prefill.generate([Request(follow_up, max_tokens)])
+    return SecondTurn(answer == local.token_ids, got, expected.token_ids, steps, promoted)
 
 
 WARM_UP_PROMPT = list(range(3, 43))  # no test prompt starts like this

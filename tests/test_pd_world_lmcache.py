@@ -1,0 +1,199 @@
+"""The P/D world with the bug report's decode stack exactly: ``MultiConnector[NixlConnector
+(kv_consumer), LMCacheMPConnector (kv_both)]``, the second child LMCache's own connector
+talking to a real ``lmcache server`` (one per lmcache release, for the module).
+
+Each decode engine serves one two-turn session, the way an agent's conversation arrives:
+turn 1 (a short prompt, a long answer) goes P → D, and D's LMCache stores the first
+256-token chunk of the conversation while D decodes it; D's own prefix cache then drops
+turn 1 (``reset_prefix_cache()``, what a busy engine's eviction does; LMCache's far larger
+pool keeps it); turn 2 is turn 1's prompt + answer + new text, so D's LMCache has a hit on
+its first chunk while NIXL pulls the whole prompt from P. MultiConnector chooses NIXL (the first child that claims tokens) and gives LMCache 0.
+lmcache 0.5.4 retrieves its hit anyway and reports long before NIXL's READ, which starts
+``READ_DELAY_S`` late here (the GB-scale pull; a real retrieve takes real time, so the delay
+is in seconds). Stock then promotes turn 2 on LMCache's report, decodes it over blocks only
+NIXL was going to write, and dies on NIXL's late report. lmcache 0.5.6 does not retrieve
+what it was not chosen for: the control, where the hotfix must change nothing.
+
+Every expectation is the prefill engine's local greedy decode (prefix caching off there, so
+it computes each prompt from scratch); ``test_pd_world`` shows that equals a NIXL-only pull.
+Engines: P and four decodes (0.5.4 and 0.5.6, stock and hotfix), started side by side; the
+hotfix reaches its decodes through ``PYTHONPATH`` only.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, install_home
+from tests.worlds.lmcache_server import LMCacheServer, require_release
+from tests.worlds.pd_world import (
+    VOCAB_SIZE,
+    Engine,
+    EngineFailure,
+    PDWorld,
+    Request,
+    SecondTurn,
+    build_model,
+    decode_bug_report_lmcache_config,
+    prefill_config,
+    transfer,
+    two_turn_conversation,
+    warm_up,
+)
+
+RELEASES = ("0.5.4", "0.5.6")
+CHUNK = 256  # the server's --chunk-size: LMCache stores and retrieves whole chunks
+QUESTION_TOKENS = 40
+ANSWER_TOKENS = 300  # D computes > CHUNK tokens of turn 1, so its LMCache stores chunk 0
+MAX_TOKENS = 8
+READ_DELAY_S = 2.0
+DEATHS = ("assert req_id in self.requests", "assert RequestStatus.is_finished(req.status)")
+
+
+@dataclass
+class Decode:
+    engine: Engine
+    status_dir: Path | None  # the hotfix's per-process status files; None on stock
+
+
+@dataclass
+class LMCacheWorld:
+    prefill: Engine
+    decodes: dict[tuple[str, str], Decode]  # (lmcache release, "stock" | "hotfix")
+    servers: dict[str, LMCacheServer]
+
+
+def uses(version: str, *variants: str):
+    """The decode engines a test drives (release, variant); the fixture starts only those."""
+    return pytest.mark.pd_engines(*((version, variant) for variant in variants))
+
+
+@pytest.fixture(scope="module")
+def world(request, tmp_path_factory):
+    wanted = {name for item in request.session.items if item.module is request.module
+              for mark in item.iter_markers("pd_engines") for name in mark.args}
+    releases = {version: require_release(version) for version in sorted({v for v, _ in wanted})}
+    root = tmp_path_factory.mktemp("pd-lmcache")
+    home = install_home(root / "hotfix-home", fixes=())
+    with ExitStack() as stack:
+        servers = {version: stack.enter_context(LMCacheServer(path, root / f"lmcache-{version}.log", clean_env(),
+                                                              transfer_mode="engine_driven"))
+                   for version, path in releases.items()}
+        pd = stack.enter_context(PDWorld(root, build_model(root / "model"), clean_env()))
+        prefill = pd.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False})
+        decodes = {}
+        for version, variant in sorted(wanted):
+            path, name = releases[version], f"decode-{version}-{variant}"
+            config = decode_bug_report_lmcache_config(READ_DELAY_S, servers[version].connector_config())
+            if variant == "stock":
+                decodes[version, variant] = Decode(pd.start(name, config, extra_path=(path,)), None)
+            else:
+                status_dir = root / f"status-{name}"
+                decodes[version, variant] = Decode(pd.start(
+                    name, config, extra_path=(path,), hotfix_home=home,
+                    env={"HOTFIX_STATUS_DIR": str(status_dir)}), status_dir)
+        for engine in pd.engines:
+            engine.wait_ready()
+        for decode in decodes.values():
+            warm_up(prefill, decode.engine)
+        yield LMCacheWorld(prefill, decodes, servers)
+
+
+def tokens(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(length)]
+
+
+def local_decode(world: LMCacheWorld, prompt: list[int], max_tokens: int) -> list[int]:
+    (out,) = world.prefill.generate([Request(prompt, max_tokens)])
+    return out.token_ids
+
+
+def two_turn_session(world: LMCacheWorld, decode: Engine, seed: int) -> SecondTurn:
+    turn = two_turn_conversation(world.prefill, decode, tokens(seed, QUESTION_TOKENS),
+                                 tokens(seed + 1, QUESTION_TOKENS), ANSWER_TOKENS, MAX_TOKENS)
+    assert turn.answer_ok, "turn 1 (no LMCache hit yet) decodes like a single engine"
+    return turn
+
+
+def counters(decode: Decode) -> dict[str, int]:
+    """recv-barrier's counters, summed over the decode engine's processes."""
+    total: dict[str, int] = {}
+    for path in decode.status_dir.glob("*.json"):
+        for kind, n in json.loads(path.read_text())["counters"].get("recv-barrier", {}).items():
+            total[kind] = total.get(kind, 0) + n
+    return total
+
+
+def drained(engine: Engine, timeout: float = 60.0) -> bool:
+    """vLLM's own reset_prefix_cache() succeeds only when no block is in use: every block back."""
+    deadline = time.monotonic() + timeout
+    while not engine.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(2)
+    return True
+
+
+def server_log(world: LMCacheWorld, version: str) -> str:
+    return world.servers[version].log_path.read_text(errors="replace")
+
+
+def retrieves(world: LMCacheWorld, version: str) -> int:
+    return server_log(world, version).count(f"Retrieved {CHUNK} tokens")
+
+
+@uses("0.5.4", "stock")
+def test_stock_with_lmcache_0_5_4_promotes_on_lmcaches_retrieve_decodes_wrong_tokens_then_dies(world):
+    decode = world.decodes["0.5.4", "stock"].engine
+    before = retrieves(world, "0.5.4")
+    turn = two_turn_session(world, decode, seed=101)
+    assert "Using external LMCacheMPConnector" in decode.log()
+    assert retrieves(world, "0.5.4") == before + 1, "LMCache loaded turn 2 although NIXL was chosen"
+    # LMCache's report promoted it before NIXL's READ began (usually it finished before, too)
+    assert turn.promoted < turn.steps.get("read_started", math.inf), turn
+    assert turn.tokens != turn.expected, "decoded over blocks NIXL had not written"
+
+    with pytest.raises(EngineFailure) as dead:
+        transfer(world.prefill, decode, tokens(102, 70), MAX_TOKENS)
+    assert dead.value.kind == "EngineDeadError"
+    assert any(death in decode.log() for death in DEATHS), decode.log_tail()
+
+
+@uses("0.5.4", "hotfix")
+def test_hotfix_with_lmcache_0_5_4_computes_only_after_nixls_read_and_returns_every_block(world):
+    decode = world.decodes["0.5.4", "hotfix"]
+    before = retrieves(world, "0.5.4")
+    turn = two_turn_session(world, decode.engine, seed=201)
+    assert retrieves(world, "0.5.4") == before + 1  # the same defect, absorbed
+    assert turn.tokens == turn.expected
+    assert turn.promoted > turn.steps["nixl_reported"], turn  # no compute before NIXL wrote R
+    assert transfer(world.prefill, decode.engine, tokens(202, 70), MAX_TOKENS) == \
+        local_decode(world, tokens(202, 70), MAX_TOKENS)
+
+    log = decode.engine.log()
+    assert decode.engine.alive() and "AssertionError" not in log and "hotfix.runtime.error" not in log
+    assert drained(decode.engine), "a block is still held at idle\n" + decode.engine.log_tail()
+
+
+@uses("0.5.6", "stock", "hotfix")
+@pytest.mark.parametrize("variant", ["stock", "hotfix"])
+def test_lmcache_0_5_6_retrieves_nothing_and_the_hotfix_changes_nothing(world, variant):
+    decode = world.decodes["0.5.6", variant]
+    turn = two_turn_session(world, decode.engine, seed=301)  # the same session on both
+    assert turn.tokens == turn.expected
+    assert turn.promoted == turn.steps["nixl_reported"] + 1, turn  # promoted on NIXL's report
+    log = server_log(world, "0.5.6")
+    assert f"Stored {CHUNK} tokens" in log and "Retrieved" not in log
+    assert decode.engine.alive() and drained(decode.engine)
+    if decode.status_dir is not None:
+        log = decode.engine.log()
+        assert "hotfix.patch.applied" in log and "hotfix.recv." not in log and "hotfix.runtime.error" not in log
+        assert counters(decode) == {}, counters(decode)
