@@ -12,7 +12,8 @@ through `kv_connector_extra_config["world"]` and asks it when to report.
   MultiConnector passed it 0 tokens (lmcache <= 0.5.4, in-tree MP <= 0.29).
 
   What the real one (LMCache's own `LMCacheMPConnector`, 0.5.4/0.5.6, which the engine world
-  runs against a real server: tests/test_engine_world_lmcache.py) does and these model: its
+  runs against a real server: tests/test_engine_world_lmcache.py, and the P/D world:
+  tests/test_pd_world_lmcache.py) does and these model: its
   metadata is `LMCacheMPConnectorMetadata.requests`, a list of `LMCacheMPRequestMetadata`
   (`request_id`, `direction` the str "RETRIEVE"/"STORE", `op` with per-group `block_ids`);
   0.5.4's `update_state_after_alloc` retrieves whenever its lookup hit exceeds vLLM's
