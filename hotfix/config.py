@@ -65,6 +65,21 @@ def choice(var: str, accepted, default: str) -> str:
     return default
 
 
+def seconds(var: str, default: float) -> float:
+    """A non-negative number of seconds; unset or empty means ``default``."""
+    raw = os.environ.get(var)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value >= 0.0 and value != float("inf"):
+        return value
+    _invalid(var, ("a number of seconds >= 0",), str(default))
+    return default
+
+
 def log_format() -> str:
     value = os.environ.get("HOTFIX_LOG_FORMAT", "").strip().lower()
     if value == "":

@@ -3,8 +3,9 @@
 Counters are plain in-process integers (cheap on the hot path); the JSON file
 ``$HOTFIX_STATUS_DIR/<pid>.json`` is rewritten when a decision changes, when a kind of event
 is seen for the first time, and at most every :data:`FLUSH_INTERVAL_S` when only counts
-moved, so an operator can read what every
-EngineCore and worker did without attaching to it.
+moved — a count that falls inside the interval is written by a one-shot timer at its end
+(never by the hot path), so the file is never more than an interval behind, idle or not.
+An operator can read what every EngineCore and worker did without attaching to it.
 """
 from __future__ import annotations
 
@@ -23,22 +24,52 @@ _counters: Counter = Counter()
 _degraded: dict = {}  # fix -> reason; one entry per fix at most
 _lock = threading.Lock()
 _last_flush = 0.0
+_flush_scheduled = False  # a timer will write the counts that came inside the interval
 
 
 def count(fix: str, kind: str, n: int = 1) -> None:
     """Count one event of ``kind`` for ``fix`` (e.g. ``xfer-guard``, ``unexpected_recv``)."""
+    global _flush_scheduled
     with _lock:
         first = (fix, kind) not in _counters  # a new kind of event is written at once
         if first and len(_counters) >= MAX_KEYS - 1:  # the last key is the overflow's
             fix, kind = "hotfix", "other_kinds"
         _counters[(fix, kind)] += n
-        due = first or time.monotonic() - _last_flush >= FLUSH_INTERVAL_S
+        since = time.monotonic() - _last_flush
+        due = first or since >= FLUSH_INTERVAL_S
+        later = not due and not _flush_scheduled
+        if later:
+            _flush_scheduled = True
     if due:
-        from hotfix import registry
+        _flush()
+    elif later:
+        timer = threading.Timer(FLUSH_INTERVAL_S - since, _scheduled_flush)
+        timer.daemon = True
+        timer.start()
 
-        act = registry.activation()
-        if act is not None:
-            write(act)
+
+def _flush() -> None:
+    from hotfix import registry
+
+    act = registry.activation()
+    if act is not None:
+        write(act)
+
+
+def _scheduled_flush() -> None:
+    global _flush_scheduled
+    with _lock:
+        _flush_scheduled = False
+    try:
+        _flush()
+    except Exception:  # noqa: BLE001 - a status file is best effort; the next count retries
+        pass
+
+
+def _forget_timer_in_child() -> None:
+    """A forked child has no timer thread (only the parent's flag)."""
+    global _flush_scheduled
+    _flush_scheduled = False
 
 
 def degrade(fix: str, reason: str) -> None:
@@ -127,3 +158,7 @@ def read_all(directory: str) -> list:
             except (OSError, ValueError):
                 continue
     return out
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_timer_in_child)

@@ -7,6 +7,14 @@ never touches its connector, and prefix caching is off there, so each reference 
 its prompt from scratch. Prompts differ per test so no decode engine reuses cached blocks.
 Before the tests each decode engine makes its first NIXL handshake with the prefill engine
 (``warm_up``: one-token transfers until it passes), so no test depends on first contact.
+
+The lease tests (D6, lease-guard) add a second prefill engine with a short lease
+(``kv_lease_duration`` :data:`LEASE_S`) and a KV pool of exactly one max-length request (16
+usable blocks): requests whose lease lapsed before a decode got them (a router's retry after a
+dead decode engine), after P ran a request that needed every block, so it wrote into all of
+them (:func:`lapsed`). They reuse decodes: the NIXL-only one (stock), the hotfix one (vLLM's
+default ``kv_load_failure_policy=fail``) and the pull-pin one, which runs with ``recompute``
+(no load fails in its own tests, so the policy does not change them).
 """
 from __future__ import annotations
 
@@ -19,7 +27,10 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, install_home
+from hotfix.fixes.lease_guard import DEADLINE_KEY
 from tests.worlds.pd_world import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
     VOCAB_SIZE,
     Engine,
     EngineFailure,
@@ -30,6 +41,7 @@ from tests.worlds.pd_world import (
     decode_bug_report_config,
     decode_nixl_config,
     prefill_config,
+    prefill_params,
     read_blocks,
     timeline,
     transfer,
@@ -46,6 +58,12 @@ READ_DELAY_STEPS = MAX_TOKENS + 8
 # the request after it is long enough to still decode when the aborted one's READ lands.
 ABORTED_MAX_TOKENS = 4 * MAX_TOKENS
 NEXT_MAX_TOKENS = 4 * MAX_TOKENS
+# The lease tests' prefill: its kv_lease_duration (a heartbeat extends it by 2/3: 5 s) and a
+# pool of one max-length request (+ vLLM's null block); the traffic after the lapse needs it all.
+LEASE_S = 8
+LEASE_BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * BLOCK_SIZE  # layers x (K, V) x kv heads x head_dim x fp32
+LEASE_POOL_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE + 1
+LEASE_FILLER_LEN = MAX_MODEL_LEN - 12  # with its one output token: every usable block
 
 
 @dataclass
@@ -61,6 +79,7 @@ class Engines:
     hotfix: Engine | None = None
     pin: Engine | None = None  # the hotfix without recv-barrier: early promotion still happens
     half: Engine | None = None  # the hotfix in the EngineCore only: its worker runs without it
+    short_lease: Engine | None = None  # a prefill whose lease lapses in LEASE_S (lease tests)
 
 
 def uses(*decodes: str):
@@ -77,6 +96,11 @@ def pd(request, tmp_path_factory):
     home = install_home(root / "hotfix-home", fixes=())
     bug_report = decode_bug_report_config(READ_DELAY_STEPS)
     pin_status, half_status = root / "pin-status", root / "half-status"
+    short_lease = {**prefill_config(), "kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}
+    # the pull-pin decode recomputes a failed load; it heartbeats once a second
+    # (kv_lease_duration // 6) and trusts a lease with 1 s left (default 5 s ~ LEASE_S)
+    pin = {**decode_bug_report_config(READ_DELAY_STEPS, heartbeat_lease_s=6),
+           "kv_load_failure_policy": "recompute"}
     with PDWorld(root, build_model(root / "model"), clean_env()) as world:
         decodes = {
             "nixl": lambda: world.start("decode-nixl", decode_nixl_config()),
@@ -84,11 +108,14 @@ def pd(request, tmp_path_factory):
             "stock_abort": lambda: world.start("decode-stock-abort", bug_report),
             "hotfix": lambda: world.start("decode-hotfix", bug_report, hotfix_home=home),
             "pin": lambda: world.start(
-                "decode-pin", bug_report, hotfix_home=home,
-                env={"HOTFIX_RECV_BARRIER": "off", "HOTFIX_STATUS_DIR": str(pin_status)}),
+                "decode-pin", pin, hotfix_home=home,
+                env={"HOTFIX_RECV_BARRIER": "off", "HOTFIX_STATUS_DIR": str(pin_status),
+                     "HOTFIX_LEASE_GUARD_MARGIN_S": "1"}),
             "half": lambda: world.start(
                 "decode-half", decode_bug_report_config(READ_DELAY_STEPS, drop_hotfix_in="worker"),
                 hotfix_home=home, env={"HOTFIX_STATUS_DIR": str(half_status)}),
+            "short_lease": lambda: world.start("prefill-short-lease", short_lease, hotfix_home=home, engine_args={
+                "enable_prefix_caching": False, "kv_cache_memory_bytes": LEASE_POOL_BLOCKS * LEASE_BLOCK_BYTES}),
         }
         assert wanted <= decodes.keys(), wanted - decodes.keys()
         engines = Engines(
@@ -98,9 +125,15 @@ def pd(request, tmp_path_factory):
         )
         for engine in world.engines:
             engine.wait_ready()
-        for name in sorted(wanted):  # every decode's first NIXL handshake, before the tests
-            warm_up(engines.prefill, getattr(engines, name))
+        for name in sorted(wanted - {"short_lease"}):  # every decode's first NIXL
+            warm_up(engines.prefill, getattr(engines, name))  # handshake, before the tests
+        if engines.short_lease:
+            for name in sorted(wanted & set(LEASE_DECODES)):
+                warm_up(engines.short_lease, getattr(engines, name))
         yield engines
+
+
+LEASE_DECODES = ("nixl", "hotfix", "pin")  # what the lease tests send late requests to
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -241,8 +274,8 @@ def test_abort_during_a_delayed_read_frees_its_blocks_under_the_read_unless_pinn
 @uses("half")
 def test_a_decode_whose_worker_lacks_the_hotfix_stays_stock_survives_and_returns_every_block(pd):
     """Partial rollout: D's EngineCore has the hotfix, its worker does not (a Ray worker
-    without our PYTHONPATH). recv-barrier and pull-pin are degraded (one ERROR each, stock
-    behaviour); xfer-guard, EngineCore only, keeps D alive through the bug report's race. Once
+    without our PYTHONPATH). recv-barrier, pull-pin and lease-guard are degraded (one ERROR
+    each, stock behaviour); xfer-guard, EngineCore only, keeps D alive through the bug report's race. Once
     the traffic drained, vLLM's own reset_prefix_cache() succeeds: no block is held (before
     the halves' handshake every READ's pin leaked and it stayed False). Tokens are not judged."""
     clean, racy, after = prompt(61, 70), prompt(62, 100), prompt(63, 90)
@@ -262,5 +295,128 @@ def test_a_decode_whose_worker_lacks_the_hotfix_stays_stock_survives_and_returns
     assert fixes["recv-barrier"]["state"] == fixes["pull-pin"]["state"] == "degraded", fixes
     assert fixes["xfer-guard"]["state"] == "applied", fixes
     degraded = [line for line in pd.half.log().splitlines() if "hotfix.halves.degraded" in line]
-    assert sorted(line.split("fix='")[1].split("'")[0] for line in degraded) == ["pull-pin", "recv-barrier"]
+    assert fixes["lease-guard"]["state"] == "degraded", fixes
+    assert sorted(line.split("fix='")[1].split("'")[0] for line in degraded) == [
+        "lease-guard", "pull-pin", "recv-barrier"]
     assert all("missing_half='worker'" in line for line in degraded), degraded
+
+
+# ---------------------------------------------------------------------------------------
+# D6 (lease-guard): a decode engine gets the request after the prefill's lease lapsed
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class Lapsed:
+    """A prefill whose lease ran out before any decode got it: what a router hands a decode."""
+
+    tokens: list[int]
+    params: dict  # the prefill's kv_transfer_params (with lease-guard's deadline)
+    expected: list[int]  # the prefill engine's local greedy decode
+
+
+@pytest.fixture(scope="module")
+def lapsed(pd) -> dict[str, Lapsed]:
+    """Four prompts prefilled on the short-lease prefill at once; the lease runs out; then P
+    runs a request that needs every block of its pool: it is scheduled only once P released
+    the four (the lapse), and writes into all of them. One wait serves every lease test."""
+    names = ("stock", "fail", "recompute", "no_deadline")
+    prompts = {name: prompt(70 + i, 70) for i, name in enumerate(names)}
+    firsts = pd.short_lease.generate([Request(prompts[n], 1, prefill_params()) for n in names])
+    time.sleep(LEASE_S + 1)
+    pd.short_lease.generate([Request(prompt(79, LEASE_FILLER_LEN), 1)])
+    log = pd.short_lease.log()
+    for first in firsts:
+        remote = first.kv_transfer_params["remote_request_id"]
+        assert f"Releasing expired KV blocks for request {remote}" in log, pd.short_lease.log_tail()
+    refs = pd.short_lease.generate([Request(prompts[n], MAX_TOKENS) for n in names])
+    return {name: Lapsed(prompts[name], dict(first.kv_transfer_params), ref.token_ids)
+            for name, first, ref in zip(names, firsts, refs)}
+
+
+def decode_late(decode: Engine, late: Lapsed, params: dict | None = None) -> tuple[list[int], str, float]:
+    """The decode's tokens for a lapsed prefill, what it logged meanwhile, the seconds it took."""
+    before = len(decode.log())
+    began = time.monotonic()
+    (out,) = decode.generate([Request(late.tokens, MAX_TOKENS, params or late.params)])
+    return out.token_ids, decode.log()[before:], time.monotonic() - began
+
+
+def lease_counters(pd: Engines) -> dict:
+    total: dict = {}
+    for path in pd.pin_status.glob("*.json"):
+        for kind, n in json.loads(path.read_text())["counters"].get("lease-guard", {}).items():
+            total[kind] = total.get(kind, 0) + n
+    return total
+
+
+def lease_delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+@uses("short_lease", "nixl")
+def test_stock_decode_reads_an_expired_lease_and_returns_wrong_tokens_without_an_error(pd, lapsed):
+    """Stock NIXL-only decode: it READs blocks P has since given to another request, decodes
+    over that request's KV and says nothing; P notices only afterwards."""
+    late = lapsed["stock"]
+    tokens, log, _ = decode_late(pd.nixl, late)
+    assert tokens and tokens != late.expected
+    assert "ERROR" not in log and pd.nixl.alive()
+    pd.short_lease.generate([Request(late.tokens, 1)])  # P's next step reads D's notification
+    assert "Potentially invalid KV blocks for unrecognized request" in pd.short_lease.log()
+
+
+@uses("short_lease", "pin")
+def test_hotfix_declines_the_read_of_a_lapsed_lease_and_recomputes_it_locally(pd, lapsed):
+    late, timely = lapsed["recompute"], prompt(81, 70)
+    before = lease_counters(pd)
+    tokens, log, late_s = decode_late(pd.pin, late)
+    began = time.monotonic()
+    timely_tokens = transfer(pd.short_lease, pd.pin, timely, MAX_TOKENS)
+    timely_s = time.monotonic() - began
+    assert tokens == late.expected
+    assert "hotfix.lease.expired_refused" in log and "Recovered from KV load failure" in log
+    assert timely_tokens == pd.short_lease.generate([Request(timely, MAX_TOKENS)])[0].token_ids
+    grown = lease_delta(before, lease_counters(pd))
+    assert (grown.get("lease_expired_refused"), grown.get("read_declined")) == (1, 1), grown
+    print(f"lease-guard: late request (READ declined, prefilled locally) {late_s:.2f} s; "
+          f"timely request (prefill on P + NIXL READ) {timely_s:.2f} s")
+
+
+@uses("short_lease", "pin")
+def test_a_timely_request_is_read_over_nixl_as_stock_does(pd):
+    tokens = prompt(82, 70)
+    before, start = lease_counters(pd), len(pd.pin.log())
+    got = transfer(pd.short_lease, pd.pin, tokens, MAX_TOKENS)
+    assert got == pd.short_lease.generate([Request(tokens, MAX_TOKENS)])[0].token_ids
+    log = pd.pin.log()[start:]
+    assert "hotfix.lease" not in log and "KV load failure" not in log  # no recompute
+    assert lease_delta(before, lease_counters(pd)) == {}
+
+
+@uses("short_lease", "hotfix")
+def test_with_the_fail_policy_a_lapsed_lease_ends_the_request_and_the_next_is_served(pd, lapsed):
+    """The bug report's decode (MultiConnector, vLLM's default policy ``fail``)."""
+    tokens, log, _ = decode_late(pd.hotfix, lapsed["fail"])
+    assert tokens == []
+    assert "hotfix.lease.expired_refused" in log and "due to KV load failure" in log
+    after = prompt(83, 70)
+    assert transfer(pd.prefill, pd.hotfix, after, MAX_TOKENS) == reference(pd, after)
+
+
+@uses("short_lease", "pin")
+def test_without_the_prefills_deadline_a_decode_reads_as_stock_with_one_warning(pd, lapsed):
+    """A router that drops the key (or a prefill without the hotfix): nothing to judge by."""
+    late = lapsed["no_deadline"]
+    params = {k: v for k, v in late.params.items() if k != DEADLINE_KEY}
+    before = lease_counters(pd)
+    tokens, _, _ = decode_late(pd.pin, late, params)
+    assert tokens != late.expected  # stock behaviour: the lapsed blocks are read
+    # The module's main prefill runs without the hotfix, so this decode has counted requests
+    # without a deadline since its warm-up; its status file may be up to one flush interval
+    # behind (hotfix.status.FLUSH_INTERVAL_S), so ``before`` may lag too (that only adds).
+    deadline = time.monotonic() + 15
+    while not lease_delta(before, lease_counters(pd)).get("deadline_missing"):
+        assert time.monotonic() < deadline, lease_counters(pd)
+        time.sleep(0.5)
+    assert "lease_expired_refused" not in lease_delta(before, lease_counters(pd))
+    assert pd.pin.log().count("hotfix.lease.no_deadline") == 1  # one WARNING per process

@@ -1,7 +1,8 @@
 """pull-pin's bookkeeping on its own (no vLLM): confirmations per rank and epoch, aggregation."""
 from __future__ import annotations
 
-from hotfix.fixes.pull_pin import PinBook, ReadsConfirmed, _Pin
+from hotfix.fixes._nixl_answer import NixlWorkerAnswer
+from hotfix.fixes.pull_pin import PinBook, _Pin
 
 
 def test_a_pin_is_released_only_when_every_rank_confirmed():
@@ -56,8 +57,8 @@ def test_a_failed_handshake_sends_every_provisional_pin_back():
 
 
 def test_worker_confirmations_and_announcements_merge_over_ranks():
-    rank0 = ReadsConfirmed({"R": {"t0": 4}, "S": {"t0": 4}}, {"pull-pin": frozenset({"t0"})})
-    rank1 = ReadsConfirmed({"R": {"t1": 4}}, {"pull-pin": frozenset({"t1"})})
+    rank0 = NixlWorkerAnswer({"R": {"t0": 4}, "S": {"t0": 4}}, {"pull-pin": frozenset({"t0"})})
+    rank1 = NixlWorkerAnswer({"R": {"t1": 4}}, {"pull-pin": frozenset({"t1"})})
     merged = rank0.aggregate(rank1)
     assert merged.confirmed == {"R": {"t0": 4, "t1": 4}, "S": {"t0": 4}}
     assert merged.hotfix_present == {"pull-pin": frozenset({"t0", "t1"})}

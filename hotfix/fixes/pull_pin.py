@@ -27,11 +27,12 @@ request state, so it needs no hold-ledger entry and composes with bidirectional 
 from __future__ import annotations
 
 import contextvars
-from typing import Dict, FrozenSet, List
+from typing import Dict, List
 
 from hotfix import status
+from hotfix.fixes._nixl_answer import NixlWorkerAnswer, answer_with
 from hotfix.fixes._pin_prefix import count_common_prefix_without_pins, track  # noqa: F401
-from hotfix.halves import SchedulerHalf, WorkerHalf, merge_presence
+from hotfix.halves import SchedulerHalf, WorkerHalf
 from hotfix.runtime import argument, contain, state_of
 from hotfix.registry import LEAVE, FixSpec, Shape, Target
 
@@ -80,29 +81,6 @@ SPEC = FixSpec(
 )
 
 FIX = SPEC.id
-
-
-class ReadsConfirmed:
-    """Worker → scheduler: NIXL's own terminal reports and the worker halves present.
-
-    ``confirmed`` maps a request id to ``{rank token: stamp epoch}``: that rank's NIXL has no
-    handle of R left, covering every READ of R bound up to that epoch. ``hotfix_present`` is
-    the handshake's announcement (``hotfix.halves``). Travels as NIXL's slot of
-    ``kv_connector_worker_meta`` (stock NIXL sends None there, so an unpatched rank's output
-    merges with ours); ``KVOutputAggregator`` and ``MultiKVConnectorWorkerMetadata`` combine
-    ranks with :meth:`aggregate`.
-    """
-
-    def __init__(self, confirmed: Dict[str, Dict[str, int]],
-                 present: Dict[str, FrozenSet[str]]) -> None:
-        self.confirmed = confirmed
-        self.hotfix_present = present
-
-    def aggregate(self, other: "ReadsConfirmed") -> "ReadsConfirmed":
-        merged = {req_id: dict(ranks) for req_id, ranks in self.confirmed.items()}
-        for req_id, ranks in (getattr(other, "confirmed", None) or {}).items():
-            merged.setdefault(req_id, {}).update(ranks)
-        return ReadsConfirmed(merged, merge_presence(self.hotfix_present, other))
 
 
 class _Pin:
@@ -237,7 +215,7 @@ def unpin_when_every_rank_confirmed(wrapped, instance, args, kwargs):
         meta = getattr(argument(args, kwargs, 0, "connector_output"), "kv_connector_worker_meta", None)
         half = _scheduler_half(instance)
         half.heard(meta)
-        if half.may_act and isinstance(meta, ReadsConfirmed) and meta.confirmed:
+        if half.may_act and isinstance(meta, NixlWorkerAnswer) and meta.confirmed:
             book = _book(instance)
             for req_id, ranks in meta.confirmed.items():
                 for rank, epoch in ranks.items():
@@ -355,17 +333,17 @@ def note_terminal_reads(wrapped, instance, args, kwargs):
 
 def report_terminal_reads(wrapped, instance, args, kwargs):
     """Ship this step's confirmations and announcement, only to an EngineCore that announced
-    it reads them; the base method (NIXL's) returns no metadata itself."""
+    it reads them, in the step's NIXL answer (the base method, NIXL's, returns none itself)."""
     meta = wrapped(*args, **kwargs)
     reads = instance.__dict__.get("_hotfix_reads")
-    if meta is not None or reads is None or not reads.half.may_ship:
+    if reads is None or not reads.half.may_ship:
         return meta
     present = reads.half.presence()
     if not present and not reads.done:
         return meta
     done, reads.done = reads.done, {}
     token = reads.half.token
-    return ReadsConfirmed({req_id: {token: epoch} for req_id, epoch in done.items()}, present)
+    return answer_with(meta, {req_id: {token: epoch} for req_id, epoch in done.items()}, present)
 
 
 def _count(kind: str) -> None:

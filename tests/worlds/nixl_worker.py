@@ -278,8 +278,10 @@ class DecodeWorld:
         self._listener.join(timeout=3)
 
     # a step --------------------------------------------------------------------------
-    def load(self, req_id: str, local_blocks: List[int], remote_blocks: List[int]) -> None:
-        """The scheduler's metadata for one real pull of R, bound and started (forward pass)."""
+    def load(self, req_id: str, local_blocks: List[int], remote_blocks: List[int],
+             **req_meta_attrs) -> None:
+        """The scheduler's metadata for one real pull of R, bound and started (forward pass);
+        ``req_meta_attrs`` are set on R's ``ReqMeta`` as a patched scheduler would."""
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlConnectorMetadata)
 
@@ -288,6 +290,8 @@ class DecodeWorld:
             "remote_block_ids": [list(remote_blocks)], "remote_engine_id": PREFILL,
             "remote_request_id": f"prefill-{req_id}", "remote_host": "127.0.0.1",
             "remote_port": self.port, "tp_size": PREFILL_TP})
+        for name, value in req_meta_attrs.items():
+            setattr(meta.reqs_to_recv[req_id], name, value)
         meta.reqs_in_batch.add(req_id)
         self.start(meta)
 

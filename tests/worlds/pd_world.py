@@ -108,19 +108,22 @@ def decode_nixl_config() -> dict:
 
 
 def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
-                             drop_hotfix_in: str | None = None) -> dict:
+                             drop_hotfix_in: str | None = None, heartbeat_lease_s: int | None = None) -> dict:
     """The bug report's decode node: MultiConnector[NIXL, LMCache-MP-like loader].
 
     NIXL's READ starts ``read_delay_steps`` engine steps late (the slow GB-scale pull); the
     loader retrieves although MultiConnector gives it 0 tokens and reports after
     ``retrieve_steps`` steps (the fast CPU-memory hit). ``drop_hotfix_in="worker"`` runs the
-    worker without the hotfix (``without_hotfix``).
+    worker without the hotfix (``without_hotfix``). ``heartbeat_lease_s``: NIXL's
+    ``kv_lease_duration`` on this decode, which sets its heartbeat interval (a sixth of it).
     """
     dropped = {"drop_hotfix_in": drop_hotfix_in} if drop_hotfix_in else {}
     loader = {"kv_connector": "EagerRetrieveConnector", "kv_connector_module_path": CONNECTORS_MODULE,
               "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps,
                                                                   **dropped}}
-    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped}), loader)
+    lease = {"kv_lease_duration": heartbeat_lease_s} if heartbeat_lease_s else {}
+    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped, **lease}),
+                                   loader)
 
 
 def decode_bug_report_lmcache_config(read_delay_s: float, lmcache_extra: dict) -> dict:

@@ -661,7 +661,7 @@ class World:
             if isinstance(event, Arrive):  # hits are per arrival: an id may arrive again
                 for child in self.children:
                     self._hits[(event.req, child.name)] = event.hits.get(child.name, 0)
-                self._call("add_request", self.scheduler.add_request, self._request(event))
+                self._call("add_request", self.scheduler.add_request, self.make_request(event))
             elif isinstance(event, Abort) and event.during_execution:
                 self._pending_aborts.append(event.req)
             elif isinstance(event, Abort):
@@ -729,7 +729,8 @@ class World:
             self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         )
 
-    def _request(self, event: Arrive) -> Request:
+    def make_request(self, event: Arrive) -> Request:
+        """The vLLM ``Request`` an arrival adds (also for tests that drive the scheduler)."""
         seed = zlib.crc32((event.same_prompt_as or event.req).encode())
         prompt = [10 + (seed + i) % 100 for i in range(event.prompt_len)]
         extra_args = None
@@ -761,6 +762,7 @@ class World:
             "remote_host": "127.0.0.1",
             "remote_port": 5600,
             "tp_size": self.tp,
+            **event.extra_params,
         }
 
     def _abort(self, req_ids: list[str]) -> None:

@@ -19,7 +19,8 @@ class Arrive:
 
     `hits` maps a cache-style child name to the number of prompt tokens it
     holds (from token 0). `remote_prefill` gives the request P/D
-    kv_transfer_params, which a NIXL-style child pulls. `same_prompt_as`
+    kv_transfer_params, which a NIXL-style child pulls (`extra_params` added to
+    them, e.g. a prefill's lease deadline). `same_prompt_as`
     reuses another request's prompt (a local prefix-cache hit on its blocks).
     """
 
@@ -30,6 +31,7 @@ class Arrive:
     hits: Mapping[str, int] = field(default_factory=dict)
     remote_prefill: bool = False
     same_prompt_as: str | None = None
+    extra_params: Mapping[str, object] = field(default_factory=dict)  # more kv_transfer_params
 
 
 @dataclass(frozen=True)
