@@ -174,3 +174,19 @@ def test_an_unmarked_read_is_nixls_own_with_the_fix(decode):
         fixed = read_into(decode())
     assert len(fixed.worker._recving_transfers["R"]) == 2
     assert delta(before) == {}
+
+
+def test_a_nixl_scheduler_built_without_its_config_gets_stock_metadata(caplog):
+    """vLLM's own unit tests build NIXL's scheduler with ``object.__new__`` and a few fields
+    (tests/v1/kv_connector/unit/test_nixl_heartbeat.py): no ``vllm_config``, so no handshake
+    can be sized. The step's metadata must come back as stock builds it, with one ERROR."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler)
+
+    real = World([nixl_pull()]).child("nixl").connector_scheduler
+    bare = object.__new__(NixlPullConnectorScheduler)
+    bare.__dict__.update({k: v for k, v in vars(real).items() if k != "vllm_config"})
+    with hotfix_active(FIX), caplog.at_level(logging.ERROR, logger="vllm.hotfix"):
+        metadata = bare.build_connector_meta(None)
+    assert metadata.reqs_to_recv == {}
+    assert any("hotfix.runtime.error" in r.getMessage() for r in caplog.records)

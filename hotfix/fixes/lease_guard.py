@@ -261,7 +261,9 @@ def refuse_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
     except Exception as exc:
         contain(FIX, "NixlBaseConnectorScheduler.build_connector_meta", exc,
                 fallback="this step's READs are sent unjudged (stock)")
-        _scheduler_half(instance).give_up(f"build_connector_meta failed: {exc}")
+        half = instance.__dict__.get("_hotfix_lease_half")  # the fallback itself must not raise
+        if half is not None:
+            half.give_up(f"build_connector_meta failed: {exc}")
     return metadata
 
 
