@@ -108,6 +108,14 @@ class SchedulerHalf:
             _degraded(self.fix, "scheduler", reason, "stock behaviour in this engine")
 
 
+def give_up(owner, attr: str, reason: str) -> None:
+    """A fix's error fallback: degrade the scheduler half kept on ``owner`` under ``attr`` if
+    it exists. Never creates one (creating it may be what failed) and never raises."""
+    half = getattr(owner, "__dict__", {}).get(attr)
+    if isinstance(half, SchedulerHalf):
+        half.give_up(reason)
+
+
 class WorkerHalf:
     """One worker rank's view of one fix: did the EngineCore announce the scheduler half?"""
 

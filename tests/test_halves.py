@@ -87,3 +87,17 @@ def test_a_scheduler_half_that_fails_gives_up_for_good():
     assert not scheduler.may_act and "stamp failed" in status.degraded()["fix-d"]
     scheduler.heard(_announce(WorkerHalf("fix-d")))
     assert scheduler.state == DEGRADED
+
+
+def test_an_error_fallback_degrades_an_existing_half_and_never_creates_or_raises():
+    from types import SimpleNamespace
+
+    from hotfix import halves
+
+    owner = SimpleNamespace()
+    halves.give_up(owner, "_half", "stamp failed")  # no half yet: nothing to degrade, no error
+    halves.give_up(None, "_half", "stamp failed")
+    assert vars(owner) == {}
+    owner._half = halves.SchedulerHalf("demo-fix", 1)
+    halves.give_up(owner, "_half", "stamp failed")
+    assert owner._half.state == halves.DEGRADED

@@ -41,7 +41,7 @@ import time
 from collections import OrderedDict
 from typing import Optional
 
-from hotfix import config, log, status
+from hotfix import config, halves, log, status
 from hotfix.fixes._nixl_answer import answer_with
 from hotfix.halves import SchedulerHalf, WorkerHalf
 from hotfix.registry import LEAVE, FixSpec, Shape, Target
@@ -261,9 +261,7 @@ def refuse_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
     except Exception as exc:
         contain(FIX, "NixlBaseConnectorScheduler.build_connector_meta", exc,
                 fallback="this step's READs are sent unjudged (stock)")
-        half = instance.__dict__.get("_hotfix_lease_half")  # the fallback itself must not raise
-        if half is not None:
-            half.give_up(f"build_connector_meta failed: {exc}")
+        halves.give_up(instance, "_hotfix_lease_half", f"build_connector_meta failed: {exc}")
     return metadata
 
 

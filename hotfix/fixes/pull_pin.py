@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextvars
 from typing import Dict, List
 
-from hotfix import status
+from hotfix import halves, status
 from hotfix.fixes._nixl_answer import NixlWorkerAnswer, answer_with
 from hotfix.fixes._pin_prefix import count_common_prefix_without_pins, track  # noqa: F401
 from hotfix.halves import SchedulerHalf, WorkerHalf
@@ -204,8 +204,7 @@ def stamp_the_scheduler_half(wrapped, instance, args, kwargs):
     except Exception as exc:
         contain(FIX, "NixlBaseConnector.build_connector_meta", exc,
                 fallback="pull-pin degraded in this engine (its pins go back at the next output)")
-        if instance.connector_scheduler is not None:
-            _scheduler_half(instance.connector_scheduler).give_up(f"stamp failed: {exc}")
+        halves.give_up(instance.__dict__.get("connector_scheduler"), "_hotfix_half", f"stamp failed: {exc}")
     return metadata
 
 
