@@ -29,9 +29,10 @@ def activate(source: str) -> bool:
         if activated_by is not None:
             return False
         activated_by = source
-    from hotfix import registry
+    from hotfix import identity, registry
 
     registry.install_hooks(source)
+    identity.install()
     return True
 
 

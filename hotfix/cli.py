@@ -130,11 +130,64 @@ def _print_status(report: dict) -> None:
     print("\nready" if report["ready"] else "\nNOT READY:\n  " + "\n  ".join(report["problems"]))
 
 
+def _status_dirs() -> list:
+    """``HOTFIX_STATUS_DIR``, else every vLLM instance's directory (never creates one)."""
+    from hotfix import status
+
+    explicit = os.environ.get("HOTFIX_STATUS_DIR")
+    if explicit:
+        return [explicit]
+    root = status.instance_root()
+    try:
+        return sorted(os.path.join(root, n) for n in os.listdir(root)
+                      if os.path.isdir(os.path.join(root, n)))
+    except OSError:
+        return []
+
+
+def runtime_report() -> dict:
+    """Per instance: every process's record state and, per engine, the totals /metrics shows."""
+    from hotfix import metrics, status
+
+    instances = []
+    for directory in _status_dirs():
+        records = status.read_all(directory)
+        processes = [{
+            "pid": r["pid"], "role": r.get("role"), "kind": r.get("identity", {}).get("kind"),
+            "engine": r.get("engine"), "rank": r.get("rank"),
+            "alive": "exited" if r.get("exited_at") else ("yes" if status.pid_alive(r["pid"]) else "dead"),
+            "fixes": {fix: f.get("state") for fix, f in sorted(r.get("fixes", {}).items())},
+        } for r in records]
+        engines = [metrics.engine_summary(v) for v in metrics.engine_views(records)]
+        instances.append({"directory": directory, "processes": processes, "engines": engines})
+    return {"instances": instances}
+
+
+def _print_runtime(report: dict) -> None:
+    if not report["instances"]:
+        print("no status records (no vLLM process with the hotfix has run here)")
+    for inst in report["instances"]:
+        print(f"== {inst['directory']}")
+        for p in inst["processes"]:
+            print(f"  pid {p['pid']} {p['role']} engine={p['engine']} rank={p['rank']} "
+                  f"alive={p['alive']}: " + ", ".join(f"{k}={v}" for k, v in p["fixes"].items()))
+        for e in inst["engines"]:
+            print(f"  engine {e['engine']} ({e['model_name']}), {e['processes']} live processes:")
+            for fix, f in e["fixes"].items():
+                errors = e["internal_errors"][fix]
+                print(f"    {fix}: {'ACTIVE' if f['active'] else 'NOT ACTIVE'} ({f['state']}, "
+                      f"{f['reason']}){f'; {errors} internal errors' if errors else ''}")
+            for name, value in e["series"].items():
+                print(f"    {name} = {value}")
+
+
 def cmd_status(args) -> int:
     if args.runtime:
-        from hotfix import status
-
-        print(json.dumps(status.read_all(config.status_dir()), indent=2, sort_keys=True))
+        report = runtime_report()
+        if args.json:
+            print(json.dumps(report, indent=2, sort_keys=True))
+        else:
+            _print_runtime(report)
         return 0
     report = status_report()
     if args.json:
@@ -213,7 +266,8 @@ def main(argv=None) -> int:
     p_status = sub.add_parser("status", help="what would be patched here (no vLLM import)")
     p_status.add_argument("--json", action="store_true")
     p_status.add_argument("--runtime", action="store_true",
-                          help="print the per-process status files instead")
+                          help="what the running vLLM processes did (their status records), "
+                               "with the per-engine totals /metrics shows")
     p_status.set_defaults(func=cmd_status)
     p_bundle = sub.add_parser("bundle", help="build the directory to put on PYTHONPATH")
     p_bundle.add_argument("dir")

@@ -91,9 +91,13 @@ def log_format() -> str:
 
 
 def status_dir() -> str:
-    import tempfile
+    """``HOTFIX_STATUS_DIR``, else this process's vLLM instance's directory under the temp dir."""
+    explicit = os.environ.get("HOTFIX_STATUS_DIR")
+    if explicit:
+        return explicit
+    from hotfix import status
 
-    return os.environ.get("HOTFIX_STATUS_DIR") or os.path.join(tempfile.gettempdir(), "vllm-hotfix")
+    return os.path.join(status.instance_root(), status.instance())
 
 
 def _invalid(var: str, accepted, default: str) -> None:

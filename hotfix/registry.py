@@ -47,6 +47,19 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Metric:
+    """A Prometheus series a fix exports (``hotfix.metrics``), summed over an engine's
+    processes from the status counters (or gauges) named in ``kinds``."""
+
+    name: str  # as vLLM declares its own: "vllm:..." without "_total"
+    help: str
+    kinds: Tuple[str, ...]  # the fix's status counter kinds (gauge names) that feed it
+    gauge: bool = False
+    by_kind: bool = False  # one series per kind, labelled ``kind``
+    alert: str = ""  # what an on-call alerts on with it (README's table)
+
+
+@dataclass(frozen=True)
 class FixSpec:
     """A fix, declared at the top of its module."""
 
@@ -57,6 +70,7 @@ class FixSpec:
     targets: Tuple[Target, ...]
     upstream: str  # the upstream issue/PR this stands in for
     remove_when: str  # the condition under which the fix is deleted
+    metrics: Tuple[Metric, ...] = ()  # what it exports to vLLM's /metrics
 
 
 @dataclass

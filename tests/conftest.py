@@ -76,6 +76,16 @@ def last_json(proc: subprocess.CompletedProcess):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def marked_by_selected_tests(request, marker: str) -> list[tuple]:
+    """The arguments of ``marker`` on the tests of the requesting module this session runs
+    (a module fixture starts only the engines or servers those tests use)."""
+    found = []
+    for item in request.session.items:
+        if item.module is request.module:
+            found.extend(mark.args for mark in item.iter_markers(marker))
+    return found
+
+
 @pytest.fixture
 def home(tmp_path):
     return install_home(tmp_path / "home")

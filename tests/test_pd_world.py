@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, install_home
+from conftest import clean_env, install_home, marked_by_selected_tests
+from hotfix import metrics, status
 from hotfix.fixes.lease_guard import DEADLINE_KEY
 from tests.worlds.pd_world import (
     BLOCK_SIZE,
@@ -90,8 +91,7 @@ def uses(*decodes: str):
 
 @pytest.fixture(scope="module")
 def pd(request, tmp_path_factory):
-    wanted = {name for item in request.session.items if item.module is request.module
-              for mark in item.iter_markers("pd_engines") for name in mark.args}
+    wanted = {name for args in marked_by_selected_tests(request, "pd_engines") for name in args}
     root = tmp_path_factory.mktemp("pd-world")
     home = install_home(root / "hotfix-home", fixes=())
     bug_report = decode_bug_report_config(READ_DELAY_STEPS)
@@ -220,6 +220,17 @@ def test_pull_pin_keeps_the_late_reads_blocks_from_the_next_request(pd):
     engine_core = [json.loads(p.read_text()) for p in pd.pin_status.glob("*.json")]
     counters = [s["counters"].get("pull-pin", {}) for s in engine_core if "pull-pin" in s["counters"]]
     assert any(c.get("pinned") and c.get("released") for c in counters), engine_core
+    # what /metrics sums from the same records: every pinned block back, none pinned now
+    deadline = time.monotonic() + 5  # the records are at most a flush interval behind
+    while True:
+        (engine,) = metrics.engine_views(status.read_all(str(pd.pin_status)))
+        series = metrics.engine_summary(engine)["series"]
+        if series["vllm:hotfix_blocks_released"] == series["vllm:hotfix_blocks_pinned"] > 0 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert series["vllm:hotfix_blocks_released"] == series["vllm:hotfix_blocks_pinned"] > 0, series
+    assert series["vllm:hotfix_blocks_pinned_now"] == 0 and engine.engine == "0", series
     late = [line for line in pd.pin.log().splitlines() if "hotfix.xfer.unexpected" in line]
     assert late and all("kind='recv_unknown'" in line for line in late)
 

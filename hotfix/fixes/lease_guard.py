@@ -44,7 +44,7 @@ from typing import Optional
 from hotfix import config, halves, log, status
 from hotfix.fixes._nixl_answer import answer_with
 from hotfix.halves import SchedulerHalf, WorkerHalf
-from hotfix.registry import LEAVE, FixSpec, Shape, Target
+from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
 from hotfix.runtime import argument, contain, state_of
 
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
@@ -93,6 +93,17 @@ SPEC = FixSpec(
     "lapsed; P only logs it afterwards (`Potentially invalid KV blocks for unrecognized request`)",
     remove_when="vLLM's NIXL connector carries the lease deadline to the decode node and "
     "declines a READ of an expired lease itself, in every release the fleet runs",
+    metrics=(
+        Metric("vllm:hotfix_lease_expired_reads_refused", "NIXL READs of prefill KV whose lease "
+               "had (nearly) run out, refused before any byte moved (kv_load_failure_policy "
+               "decides)", ("lease_expired_refused",),
+               alert="rate > 0: decode admits requests later than the prefill's "
+               "VLLM_NIXL_ABORT_REQUEST_TIMEOUT; stock vLLM would read reused blocks"),
+        Metric("vllm:hotfix_lease_deadline_missing", "Remote prefills that arrived without the "
+               "prefill's lease deadline (read as stock)", ("deadline_missing",),
+               alert="rate > 0 with lease-guard on: a prefill runs without the hotfix, or the "
+               "router drops kv_transfer_params keys"),
+    ),
 )
 
 FIX = SPEC.id

@@ -33,7 +33,7 @@ import queue
 
 from hotfix import log, status
 from hotfix.runtime import argument, contain, state_of
-from hotfix.registry import FIXED, LEAVE, FixSpec, Shape, Target
+from hotfix.registry import FIXED, LEAVE, FixSpec, Metric, Shape, Target
 
 _WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 _CLS = "NixlBaseConnectorWorker"
@@ -64,6 +64,11 @@ SPEC = FixSpec(
     upstream="vLLM 0.30.0 NIXL worker: transfer failures held until the request has no "
     "outstanding handles (`_recv_failures`, `_pop_done_transfers` returns the failed ids)",
     remove_when="the fleet runs only vLLM >= 0.30.0 (status then says fixed_upstream)",
+    metrics=(
+        Metric("vllm:hotfix_split_read_failures_held", "Failed READs of a split pull held until "
+               "their last handle ended (a NIXL worker assert on stock)", ("held",),
+               alert="rate > 0: prefill ranks fail READs; each was a worker death on stock"),
+    ),
 )
 
 FIX = SPEC.id

@@ -31,10 +31,10 @@ from typing import Dict, List
 
 from hotfix import halves, status
 from hotfix.fixes._nixl_answer import NixlWorkerAnswer, answer_with
-from hotfix.fixes._pin_prefix import count_common_prefix_without_pins, track  # noqa: F401
+from hotfix.fixes._pin_prefix import count_common_prefix_without_pins, pinned_now, track  # noqa: F401
 from hotfix.halves import SchedulerHalf, WorkerHalf
 from hotfix.runtime import argument, contain, state_of
-from hotfix.registry import LEAVE, FixSpec, Shape, Target
+from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
 
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 _SCHED = "vllm.v1.core.sched.scheduler"
@@ -78,6 +78,14 @@ SPEC = FixSpec(
     "report's 'pin blocks of in-flight pulls' direction",
     remove_when="NIXL's decode side keeps blocks of an in-flight READ allocated until the READ "
     "is terminal, in every vLLM release the fleet runs",
+    metrics=(
+        Metric("vllm:hotfix_blocks_pinned", "KV blocks kept out of the pool for a running NIXL READ",
+               ("blocks_pinned",)),
+        Metric("vllm:hotfix_blocks_released", "Pinned KV blocks returned to the pool once every "
+               "rank's NIXL reported the READ terminal", ("blocks_released",)),
+        Metric("vllm:hotfix_blocks_pinned_now", "KV blocks pinned now", ("blocks_pinned_now",),
+               gauge=True, alert="stays > 0 at idle: a READ never reported terminal"),
+    ),
 )
 
 FIX = SPEC.id
@@ -188,6 +196,8 @@ def pin_blocks_of_real_reads(wrapped, instance, args, kwargs):
                     block.ref_cnt += 1  # allocated to R right now, so never in the free queue
                 _book(instance).add(request.request_id, _Pin(groups, half.epoch + 1))
                 _count("pinned")
+                status.count(FIX, "blocks_pinned", sum(len(g) for g in groups))
+                status.gauge(FIX, "blocks_pinned_now", pinned_now())
     except Exception as exc:
         contain(FIX, "NixlPullConnectorScheduler.update_state_after_alloc", exc,
                 fallback="this READ is not pinned (stock behaviour)")
@@ -236,6 +246,8 @@ def _release_ready(book: PinBook) -> None:
             if blocks:
                 _pool_of_group(manager, group).free_blocks(blocks)
         _count("released")
+        status.count(FIX, "blocks_released", sum(len(g) for g in pin.groups))
+        status.gauge(FIX, "blocks_pinned_now", pinned_now())
 
 
 def _pool_of_group(manager, group: int):

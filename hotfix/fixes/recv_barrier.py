@@ -32,7 +32,7 @@ from typing import Set
 from hotfix import log, status
 from hotfix.halves import SchedulerHalf, WorkerHalf, merge_presence
 from hotfix.runtime import argument, contain, state_of
-from hotfix.registry import LEAVE, FixSpec, Shape, Target
+from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
 
 _MC = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 _ALL = "0.27.0-0.33.0"
@@ -72,6 +72,16 @@ SPEC = FixSpec(
     upstream="vllm-project/vllm#51595, #54240 (load plan + per-child drain in MultiConnector)",
     remove_when="MultiConnector tracks per-child load completion (a load plan shipped in "
     "MultiKVConnectorMetadata) in every vLLM release the fleet runs",
+    metrics=(
+        Metric("vllm:hotfix_concurrent_loads_held", "Loads by a connector MultiConnector did not "
+               "choose into a request's blocks, held until every loader of it was done (the bug "
+               "report's race, absorbed; counted per worker rank)", ("concurrent_load_held",),
+               alert="rate > 0: a connector loads although not chosen (lmcache <= 0.5.4); stock "
+               "vLLM would have promoted early or died"),
+        Metric("vllm:hotfix_stray_load_reports_absorbed", "Load reports of a request by a connector "
+               "that was not loading it, absorbed", ("stray_report",),
+               alert="rate > 0: a connector reports loads it never started"),
+    ),
 )
 
 FIX = SPEC.id
@@ -312,11 +322,15 @@ def learn_loaders_at_bind(wrapped, instance, args, kwargs):
                      pending=sorted(barrier.pending(req_id)))
         for index, (child, child_md) in enumerate(zip(instance._connectors, metadata.metadata)):
             for req_id in loads_started(child_md):
-                if not barrier.started(req_id, index):
-                    _count("unplanned_load")
-                    _once(("unplanned", type(child).__name__), "error", "hotfix.recv.unplanned_load",
-                          child=type(child).__name__, req_id=req_id,
-                          reason="a child loads into blocks of a request no plan loads asynchronously")
+                joins = index not in barrier.pending(req_id)
+                if barrier.started(req_id, index):
+                    if joins:  # a loader the scheduler did not choose: the race, held
+                        _count("concurrent_load_held")
+                    continue
+                _count("unplanned_load")
+                _once(("unplanned", type(child).__name__), "error", "hotfix.recv.unplanned_load",
+                      child=type(child).__name__, req_id=req_id,
+                      reason="a child loads into blocks of a request no plan loads asynchronously")
         _report_evictions(barrier)
     except Exception as exc:
         instance.__dict__["_hotfix_degraded"] = True

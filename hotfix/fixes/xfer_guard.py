@@ -23,7 +23,7 @@ import copy
 from hotfix.fixes._holds import KEPT, LAST, NOT_HELD, RECV, SAVE, UNKNOWN, ledger_of
 from hotfix import log, status
 from hotfix.runtime import argument, contain, violation
-from hotfix.registry import FixSpec, Shape, Target
+from hotfix.registry import FixSpec, Metric, Shape, Target
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 
@@ -48,6 +48,17 @@ SPEC = FixSpec(
     upstream="vllm-project/vllm#56089 (refcounted delayed frees); #53079, #56194 (late reports)",
     remove_when="the scheduler counts delayed-free holders and no longer asserts on stale "
     "KV-transfer reports in every vLLM release the fleet runs",
+    metrics=(
+        Metric("vllm:hotfix_unexpected_completions_dropped", "KV-transfer completion reports stock "
+               "vLLM would assert on (or free a live request's blocks for), dropped",
+               ("recv_unknown", "recv_live", "send_unknown", "send_live", "recv_not_owed",
+                "save_not_owed", "pull_not_owed"), by_kind=True,
+               alert="rate > 0: each one was an EngineCore death on stock; recv_live may mean "
+               "corrupt KV of a running request"),
+        Metric("vllm:hotfix_requests_held", "Finished requests whose blocks wait for a transfer "
+               "report (the hold ledger, now)", ("requests_held",), gauge=True,
+               alert="stays > 0 at idle: a transfer never reported (blocks out of the pool)"),
+    ),
 )
 
 FIX = SPEC.id
@@ -184,6 +195,7 @@ def record_recv_hold(wrapped, instance, args, kwargs):
         if delayed and request.request_id in instance.requests:
             ledger_of(instance).hold(request.request_id, RECV)
             _report_evictions(instance)
+            _gauge_holds(instance)
     except Exception as exc:
         contain(FIX, "Scheduler._free_request", exc, fallback="stock single-hold freeing")
     return result
@@ -197,6 +209,7 @@ def record_save_hold(wrapped, instance, args, kwargs):
             request = args[0] if args else kwargs["request"]
             ledger_of(instance).hold(request.request_id, SAVE)
             _report_evictions(instance)
+            _gauge_holds(instance)
         except Exception as exc:
             contain(FIX, "Scheduler._connector_finished", exc, fallback="stock single-hold freeing")
     return result
@@ -209,6 +222,7 @@ def forget_holds_when_freed(wrapped, instance, args, kwargs):
     if ledger is not None:
         try:
             ledger.forget((args[0] if args else kwargs["request"]).request_id)
+            _gauge_holds(instance)
         except Exception as exc:
             contain(FIX, "Scheduler._free_blocks", exc, fallback="ledger entry kept")
     return result
@@ -221,6 +235,10 @@ def _report_evictions(scheduler) -> None:
         _count("hold_evicted")
         _log("error", "hotfix.hold.evicted", req_id=req_id, cap=ledger.cap,
              reason="too many held requests; this one falls back to stock single-hold freeing")
+
+
+def _gauge_holds(scheduler) -> None:
+    status.gauge(FIX, "requests_held", len(ledger_of(scheduler)))
 
 
 def _count(kind: str) -> None:

@@ -238,6 +238,27 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
     return run
 
 
+def side_by_side(jobs: dict, workers: int = 2) -> dict:
+    """``{name: zero-argument callable}`` -> ``{name: its result}``, at most ``workers`` at a
+    time. An engine's start is mostly one single-threaded interpreter importing at a time, so
+    two share a 2-core machine at little cost to either, and the races are counted in engine
+    steps, not seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def run_engine_retrying_a_port_race(*args, **kwargs) -> EngineRun:
+    """``run_engine``, once more if the run lost a port race (vLLM found a port free that a
+    concurrent engine then bound: EADDRINUSE)."""
+    run = run_engine(*args, **kwargs)
+    if not run.completed and any(e in run.log for e in ("EADDRINUSE", "Address already in use")):
+        run = run_engine(*args, **kwargs)
+    return run
+
+
 def _python_path(variant: str, work: Path) -> list[Path]:
     connectors_root = work / "connectors"
     connectors_root.mkdir()

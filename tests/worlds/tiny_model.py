@@ -8,23 +8,29 @@ across runs of the same build. Built once per test session, removed at interpret
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 
 VOCAB_SIZE = 256
 HEAD_DIM = 64
 MAX_MODEL_LEN = 512
 
-_built: tempfile.TemporaryDirectory | None = None
+_built: dict = {}  # name -> TemporaryDirectory, removed at interpreter exit
+_lock = threading.Lock()  # engines may be started from several threads (engine_world.side_by_side)
+
+
+def _built_once(name: str, build) -> Path:
+    with _lock:
+        if name not in _built:
+            directory = tempfile.TemporaryDirectory(prefix=f"hotfix-{name}-")
+            build(Path(directory.name))
+            _built[name] = directory
+    return Path(_built[name].name)
 
 
 def tiny_llama_dir() -> Path:
     """The checkpoint directory (config.json + model.safetensors), built on first use."""
-    global _built
-    if _built is None:
-        directory = tempfile.TemporaryDirectory(prefix="hotfix-tiny-llama-")
-        _build(Path(directory.name))
-        _built = directory
-    return Path(_built.name)
+    return _built_once("tiny-llama", _build)
 
 
 def _build(dest: Path) -> None:
@@ -44,3 +50,19 @@ def _build(dest: Path) -> None:
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(dest)
+
+
+def served_llama_dir() -> Path:
+    """The same checkpoint with a WordLevel tokenizer (``w0`` ... ``w255``), for the API server."""
+    return _built_once("served-llama", lambda dest: (_build(dest), _save_tokenizer(dest)))
+
+
+def _save_tokenizer(dest: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(VOCAB_SIZE)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", bos_token="w1",
+                            eos_token="w2").save_pretrained(dest)
