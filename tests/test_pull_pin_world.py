@@ -107,6 +107,12 @@ def pin_counts() -> tuple:
     return counts.get("pinned", 0), counts.get("released", 0)
 
 
+def block_counts() -> tuple:
+    counts = status.counters().get(FIX, {})
+    return (counts.get("blocks_pinned", 0), counts.get("blocks_released", 0),
+            status.gauges().get(FIX, {}).get("blocks_pinned_now", 0))
+
+
 def test_bidirectional_clean_pull_pins_and_releases_without_changing_stocks_frees():
     """No race: R is promoted by NIXL's own report, finishes, and NIXL holds its blocks for
     the turn-2 READ until its send report. The pin goes at the READ's end, while R still
@@ -117,9 +123,11 @@ def test_bidirectional_clean_pull_pins_and_releases_without_changing_stocks_free
     assert verdicts(stock) == (None, [])
     assert freed_at(stock)[10] == 5  # R's blocks, at NIXL's turn-2 report
 
-    before = pin_counts()
+    before, blocks_before = pin_counts(), block_counts()
     fixed, _ = run_fixed(scenario, FIX)
     assert pin_counts() == (before[0] + 1, before[1] + 1)
+    # what /metrics sums: R's blocks the READ writes (all but its last) pinned and back
+    assert [a - b for a, b in zip(block_counts(), blocks_before)] == [4, 4, 0]
     assert verdicts(fixed) == (None, [])
     assert freed_at(fixed) == freed_at(stock)
     assert ref_counts(fixed) == ref_counts(stock) and set(ref_counts(fixed)) == {0}

@@ -25,11 +25,6 @@ def track(book):
     return book
 
 
-def pinned_now() -> int:
-    """Block references held by every pin of this process (the status gauge)."""
-    return sum(len(group) for book in list(_BOOKS) for pin in book.holding() for group in pin.groups)
-
-
 def pinned_blocks(block_pool) -> list:
     """Blocks of ``block_pool`` holding pin references, one entry per reference."""
     blocks = block_pool.blocks

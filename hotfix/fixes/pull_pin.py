@@ -31,7 +31,7 @@ from typing import Dict, List
 
 from hotfix import halves, status
 from hotfix.fixes._nixl_answer import NixlWorkerAnswer, answer_with
-from hotfix.fixes._pin_prefix import count_common_prefix_without_pins, pinned_now, track  # noqa: F401
+from hotfix.fixes._pin_prefix import count_common_prefix_without_pins, track  # noqa: F401
 from hotfix.halves import SchedulerHalf, WorkerHalf
 from hotfix.runtime import argument, contain, state_of
 from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
@@ -196,8 +196,7 @@ def pin_blocks_of_real_reads(wrapped, instance, args, kwargs):
                     block.ref_cnt += 1  # allocated to R right now, so never in the free queue
                 _book(instance).add(request.request_id, _Pin(groups, half.epoch + 1))
                 _count("pinned")
-                status.count(FIX, "blocks_pinned", sum(len(g) for g in groups))
-                status.gauge(FIX, "blocks_pinned_now", pinned_now())
+                _blocks_pinned_now(sum(len(g) for g in groups))
     except Exception as exc:
         contain(FIX, "NixlPullConnectorScheduler.update_state_after_alloc", exc,
                 fallback="this READ is not pinned (stock behaviour)")
@@ -246,8 +245,7 @@ def _release_ready(book: PinBook) -> None:
             if blocks:
                 _pool_of_group(manager, group).free_blocks(blocks)
         _count("released")
-        status.count(FIX, "blocks_released", sum(len(g) for g in pin.groups))
-        status.gauge(FIX, "blocks_pinned_now", pinned_now())
+        _blocks_pinned_now(-sum(len(g) for g in pin.groups))
 
 
 def _pool_of_group(manager, group: int):
@@ -355,6 +353,15 @@ def report_terminal_reads(wrapped, instance, args, kwargs):
     done, reads.done = reads.done, {}
     token = reads.half.token
     return answer_with(meta, {req_id: {token: epoch} for req_id, epoch in done.items()}, present)
+
+
+_pinned_block_refs = [0]  # this process's pins' block references, for the status gauge
+
+
+def _blocks_pinned_now(change: int) -> None:
+    _pinned_block_refs[0] += change
+    status.count(FIX, "blocks_pinned" if change > 0 else "blocks_released", abs(change))
+    status.gauge(FIX, "blocks_pinned_now", _pinned_block_refs[0])
 
 
 def _count(kind: str) -> None:
