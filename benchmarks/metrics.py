@@ -1,13 +1,18 @@
 """Monitoring: what the status flushing costs the hot path, and what the scrape costs.
 
-    python benchmarks/metrics.py            # all three parts (part 3 starts two API servers)
+    python benchmarks/metrics.py            # all four parts (part 4 starts two API servers)
     python benchmarks/metrics.py --no-servers
 
 1. Hot path: ``status.count`` and ``status.gauge`` per call (what a fix pays per event; no
    file I/O there) against an empty call, and how many status writes a storm of counts
    causes per second (the timer writes at most once per ``FLUSH_INTERVAL_S``).
 2. Collector: one scrape's ``collect()`` over an engine of 1 EngineCore + 8 workers.
-3. Real servers, same run: ``/metrics`` scrape latency (p50/p99 of 60 scrapes) of an API
+3. Engine steps: the same 200 randomized timelines (real Scheduler, MultiConnector, NIXL
+   scheduler; ``benchmarks/timelines.py``'s runner) with recv-barrier, xfer-guard and pull-pin
+   on, once with the status accounting as shipped and once with ``status.count``/``gauge``
+   replaced by no-ops, four rounds in alternating order, best of each: the ratio is what the
+   accounting costs a step.
+4. Real servers, same run: ``/metrics`` scrape latency (p50/p99 of 60 scrapes) of an API
    server with the hotfix and of one with ``HOTFIX_DISABLE=1``, and the ratio.
 """
 from __future__ import annotations
@@ -76,6 +81,36 @@ def collector_cost() -> None:
     print(f"2. collect() over 9 status records: {cost / 1000:.2f} ms per scrape")
 
 
+def engine_steps(timelines: int = 200, rounds: int = 4) -> None:
+    import logging
+
+    import vllm  # noqa: F401  (configures the vllm logger, which we then quiet)
+
+    logging.getLogger("vllm").setLevel(logging.CRITICAL)
+    from timelines import sweep
+
+    from hotfix import status
+    from tests.worlds.hotfix_on import hotfix_active
+    from tests.worlds.randomized import play
+    from tests.worlds.scenarios import SINGLE_LOADER
+
+    play(SINGLE_LOADER)  # vLLM's lazy imports stay out of the timings
+    real = (status.count, status.gauge)
+    walls = {"shipped": [], "no-op": []}
+    with hotfix_active("recv-barrier", "xfer-guard", "pull-pin"):
+        for round_ in range(rounds):
+            for side in (("shipped", "no-op") if round_ % 2 else ("no-op", "shipped")):
+                if side == "no-op":
+                    status.count = status.gauge = lambda *a, **k: None
+                try:
+                    walls[side].append(sweep(timelines, seed=0)["wall_s"])
+                finally:
+                    status.count, status.gauge = real
+    shipped, noop = min(walls["shipped"]), min(walls["no-op"])
+    print(f"3. engine steps, {timelines} timelines with the fixes (best of {rounds}): status accounting "
+          f"as shipped {shipped:.2f} s, no-op {noop:.2f} s, ratio {shipped / noop:.3f}")
+
+
 def servers() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from pathlib import Path
@@ -97,7 +132,7 @@ def servers() -> None:
                 text = server.scrape()
                 times[name].append((time.perf_counter() - t0) * 1000)
                 times.setdefault(f"{name}_bytes", len(text))
-        print("3. /metrics scrape, ms (60 each, interleaved)")
+        print("4. /metrics scrape, ms (60 each, interleaved)")
         for name in started:
             samples = sorted(times[name])
             print(f"   {name:>8}: p50 {statistics.median(samples):.2f}  p99 {samples[int(0.99 * len(samples)) - 1]:.2f}"
@@ -112,6 +147,7 @@ def servers() -> None:
 def main() -> None:
     hot_path()
     collector_cost()
+    engine_steps()
     if "--no-servers" not in sys.argv:
         servers()
 

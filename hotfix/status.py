@@ -166,8 +166,19 @@ def instance() -> str:
     return _instance
 
 
+_versions: dict = {}  # the installed vLLM's version, read once (importlib.metadata is slow)
+
+
+def _vllm_version():
+    if "vllm" not in _versions:
+        from hotfix import registry
+
+        _versions["vllm"] = registry.vllm_version()
+    return _versions["vllm"]
+
+
 def snapshot(act) -> dict:
-    from hotfix import __version__, log, registry
+    from hotfix import __version__, log
 
     fixes = act.snapshot()
     for fix, reason in degraded().items():
@@ -186,7 +197,7 @@ def snapshot(act) -> dict:
         "identity": identity,
         "activated_by": act.source,
         "hotfix_version": __version__,
-        "vllm_version": registry.vllm_version(),
+        "vllm_version": _vllm_version(),
         "fixes": fixes,
         "counters": counters(),
         "gauges": gauges(),
