@@ -62,11 +62,9 @@ def gauge(fix: str, name: str, value: int) -> None:
         _schedule_locked()
 
 
-def identify(kind: str, **fields) -> None:
-    """What vLLM told this process about itself (model, engine index, rank). The first kind
-    stays: an API server that runs its EngineCore in-process is that engine's EngineCore."""
+def identify(**fields) -> None:
+    """What vLLM told this process about itself (kind, model, engine index, rank)."""
     with _lock:
-        _identity.setdefault("kind", kind)
         _identity.update({k: v for k, v in fields.items() if v is not None})
         _schedule_locked()
 

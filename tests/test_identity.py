@@ -18,7 +18,7 @@ def vllm_config(model="tiny", dp_rank=0):
 @pytest.fixture
 def identity_fields(monkeypatch):
     seen = {}
-    monkeypatch.setattr(status, "identify", lambda kind, **f: seen.update(kind=kind, **f))
+    monkeypatch.setattr(status, "identify", lambda **f: seen.update(f))
     return seen
 
 
@@ -40,7 +40,7 @@ def test_an_unreadable_argument_is_one_error_and_the_constructor_still_runs(iden
 
 def test_the_api_servers_prometheus_logger_installs_the_collector_after_vllms_own(monkeypatch):
     order = []
-    monkeypatch.setattr(status, "identify", lambda kind, **f: None)
+    monkeypatch.setattr(status, "identify", lambda **f: None)
     monkeypatch.setattr(metrics, "install", lambda model: order.append(("install", model)))
     identity.api_server_serves_prometheus(lambda *a, **k: order.append("vllm"), None, (vllm_config("m"),), {})
     assert order == ["vllm", ("install", "m")]

@@ -52,11 +52,16 @@ def test_late_report_while_running_cannot_happen_because_promotion_waits():
 
 
 def test_early_promotion_over_unwritten_blocks_is_prevented_on_both_ranks():
+    from hotfix import status
+
     stock = run_stock(scenarios.EARLY_PROMOTION)
     assert stock.crash is None and stock.tracker.of_kind(COMPUTE_WHILE_LOADING)
 
+    before = status.counters().get(FIX, {}).get("concurrent_load_held", 0)
     fixed, _ = run_fixed(scenarios.EARLY_PROMOTION, FIX)
     assert_clean(fixed)
+    # the race, held on each rank: what /metrics shows as vllm:hotfix_concurrent_loads_held
+    assert status.counters()[FIX]["concurrent_load_held"] == before + 2
     assert fixed.first_computed("R") is None  # still waiting for NIXL at the end (tick 4)
     assert {t.who for t in fixed.tracker.active_transfers if t.req_id == "R"} == {"nixl@rank0", "nixl@rank1"}
 
