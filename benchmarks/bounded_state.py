@@ -65,7 +65,7 @@ def main() -> None:
 
     from hotfix import log
     from hotfix.fixes import xfer_guard
-    from tests.worlds.hotfix_on import hotfix_active
+    from hotfix.worlds.hotfix_on import hotfix_active
 
     log.emit = lambda *a, **k: None  # noqa: E731 (what the handlers do is not measured)
 

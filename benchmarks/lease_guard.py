@@ -17,15 +17,15 @@ from _common import applied, per_call_us, retained_bytes
 
 
 def nixl_scheduler():
-    from tests.worlds.scheduler_world import World, nixl_pull
+    from hotfix.worlds.scheduler_world import World, nixl_pull
 
     return World([nixl_pull()]).child("nixl").connector_scheduler
 
 
 def main() -> None:
     from hotfix.fixes import lease_guard
-    from tests.worlds.scheduler_world import World, nixl_pull
-    from tests.worlds.timeline import Arrive
+    from hotfix.worlds.scheduler_world import World, nixl_pull
+    from hotfix.worlds.timeline import Arrive
 
     world = World([nixl_pull()])
     request = world.make_request(Arrive(0, "bench", remote_prefill=True,

@@ -90,9 +90,9 @@ def engine_steps(timelines: int = 200, rounds: int = 4) -> None:
     from timelines import sweep
 
     from hotfix import status
-    from tests.worlds.hotfix_on import hotfix_active
+    from hotfix.worlds.hotfix_on import hotfix_active
     from tests.worlds.randomized import play
-    from tests.worlds.scenarios import SINGLE_LOADER
+    from hotfix.worlds.scenarios import SINGLE_LOADER
 
     play(SINGLE_LOADER)  # vLLM's lazy imports stay out of the timings
     real = (status.count, status.gauge)
@@ -115,7 +115,7 @@ def servers() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from pathlib import Path
 
-    from tests.worlds import api_server
+    from hotfix.worlds import api_server
 
     root = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     started = {}

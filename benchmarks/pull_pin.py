@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pinned_ticks() -> None:
-    from tests.worlds import scenarios
+    from hotfix.worlds import scenarios
 
     scenario = scenarios.NIXL_RANKS_FINISH_APART
     for label, fixes in (("stock", ()), ("pull-pin+xfer-guard", ("pull-pin", "xfer-guard"))):
@@ -107,7 +107,7 @@ def wrapper_costs() -> None:
 def _held(log: str, req_id: str, pinned: bool) -> tuple:
     """(steps, seconds) from ``req_id``'s allocation until its READ's blocks were free again,
     and (steps, seconds) of that past the request's end."""
-    from tests.worlds import pd_world as pd
+    from hotfix.worlds import pd_world as pd
 
     steps, at = pd.timeline(log)[req_id], pd.seconds(log)[req_id]
     back, back_s = steps["finished"], at["finished"]
@@ -118,7 +118,7 @@ def _held(log: str, req_id: str, pinned: bool) -> tuple:
 
 
 def pd_pinned(max_tokens: int = 8, read_delay_steps: int = 24) -> None:
-    from tests.worlds import pd_world as pd
+    from hotfix.worlds import pd_world as pd
 
     repo = Path(__file__).resolve().parent.parent
     root = Path(tempfile.mkdtemp(prefix="bench-pull-pin-pd-"))

@@ -88,10 +88,10 @@ def main() -> None:
 
     logging.getLogger("vllm").setLevel(logging.CRITICAL)
     from hotfix import status
-    from tests.worlds.hotfix_on import hotfix_active
+    from hotfix.worlds.hotfix_on import hotfix_active
     from tests.worlds.randomized import play
-    from tests.worlds.scenarios import SINGLE_LOADER
-    from tests.worlds.scheduler_world import patched_methods
+    from hotfix.worlds.scenarios import SINGLE_LOADER
+    from hotfix.worlds.scheduler_world import patched_methods
 
     if patched_methods():
         raise SystemExit(f"vLLM is already patched in this process: {patched_methods()}")

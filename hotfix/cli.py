@@ -257,7 +257,7 @@ def _precompile(dest: str) -> None:
 def cmd_repro(args) -> int:
     from hotfix import repro
 
-    return repro.main(args.world, args.json, args.lmcache)
+    return repro.main(args.world, args.json, args.lmcache, args.verbose)
 
 
 def main(argv=None) -> int:
@@ -275,8 +275,10 @@ def main(argv=None) -> int:
                           help="extra argument for the pip that installs the private deps")
     p_bundle.set_defaults(func=cmd_bundle)
     p_repro = sub.add_parser("repro", help="the bug report's races on this vLLM, stock vs hotfix")
-    p_repro.add_argument("--world", choices=("scheduler", "pd"), default="scheduler")
+    p_repro.add_argument("--world", choices=("scheduler", "engine", "pd"), default="scheduler")
     p_repro.add_argument("--json", action="store_true")
+    p_repro.add_argument("--verbose", action="store_true",
+                         help="print vLLM's and the engines' logs too (they always go to files)")
     p_repro.add_argument("--lmcache", nargs="?", const="", default=None, metavar="DIR",
                          help="pd world: the real LMCache as the decode's second connector "
                               "(lmcache from DIR, a pip --target directory, or this interpreter's)")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -11,18 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from hotfix.worlds.home import clean_env, hotfix_home
+from hotfix.worlds.lmcache_server import LMCACHE_ROOT, release_dir
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 FAKE_VLLM = FIXTURES / "fakevllm"
-
-
-def clean_env(**extra) -> dict:
-    """The parent's environment without anything that would inject or configure us."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HOTFIX_") and k not in ("PYTHONPATH", "VLLM_PLUGINS")}
-    env["HF_HUB_OFFLINE"] = "1"
-    env.update(extra)
-    return env
 
 
 def install_home(dest: Path, fixes=("demo_guard",), vllm_root: Path = FAKE_VLLM,
@@ -35,11 +28,7 @@ def install_home(dest: Path, fixes=("demo_guard",), vllm_root: Path = FAKE_VLLM,
     """
     from hotfix import fingerprint
 
-    dest.mkdir(parents=True, exist_ok=True)
-    if shim:
-        shutil.copy2(REPO / "sitecustomize.py", dest / "sitecustomize.py")
-    shutil.copytree(REPO / "hotfix", dest / "hotfix", dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
+    hotfix_home(dest, shim=shim)
     if fixes:
         for real in (dest / "hotfix" / "fixes").glob("[!_]*.py"):
             real.unlink()
@@ -57,6 +46,19 @@ def install_home(dest: Path, fixes=("demo_guard",), vllm_root: Path = FAKE_VLLM,
             text = text.replace(key, str(value))
         (dest / "hotfix" / "fixes" / f"{name}.py").write_text(text)
     return dest
+
+
+def require_release(version: str) -> Path:
+    """The release's directory; a skip where it is not installed, a failure where the CI leg
+    installed lmcache (``HOTFIX_REQUIRE_LMCACHE=1``, set by .ci/leg.sh), so a missing install
+    step can never turn these tests into skips."""
+    path = release_dir(version)
+    if path is None:
+        message = f"lmcache {version} is not under {LMCACHE_ROOT} (.ci/leg.sh installs it)"
+        if os.environ.get("HOTFIX_REQUIRE_LMCACHE") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
 
 
 NEUTRAL_CWD = tempfile.mkdtemp(prefix="hotfix-cwd-")  # `python -c` puts the cwd on sys.path

@@ -1,6 +1,6 @@
 """BlockTracker on hand-written pool snapshots (no vLLM needed)."""
 
-from tests.worlds.tracker import (
+from hotfix.worlds.tracker import (
     BLOCKS_NOT_RETURNED,
     COMPUTE_WHILE_LOADING,
     READ_FROM_FREED,

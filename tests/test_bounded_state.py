@@ -13,7 +13,7 @@ from collections.abc import Sized
 import pytest
 
 from hotfix import log
-from tests.worlds.hotfix_on import hotfix_active
+from hotfix.worlds.hotfix_on import hotfix_active
 
 REPORTS = 100_000
 #: what any single per-process map may hold after REPORTS distinct requests (log.RateLimiter

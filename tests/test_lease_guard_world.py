@@ -5,7 +5,7 @@ Scheduler side: vLLM's real Scheduler, MultiConnector and ``NixlPullConnectorSch
 decode's first schedule of a late request marks the READ it ships. Each test schedules once,
 so the halves' handshake is still waiting for its first output (``may_act``): what a patched
 engine does in every step once its workers answered. Worker side: vLLM's real decode-side
-NIXL worker (only the NIXL agent is a double, ``tests.worlds.nixl_worker``) declines a marked
+NIXL worker (only the NIXL agent is a double, ``hotfix.worlds.nixl_worker``) declines a marked
 READ the way it declines an expired turn-2 readback: no READ handle, R reported failed with
 its blocks invalid — while stock vLLM READs it.
 """
@@ -18,9 +18,9 @@ import pytest
 
 from hotfix import status
 from hotfix.fixes.lease_guard import DEADLINE_KEY, REFUSED_ATTR
-from tests.worlds.hotfix_on import hotfix_active
-from tests.worlds.scheduler_world import World, nixl_pull
-from tests.worlds.timeline import Arrive
+from hotfix.worlds.hotfix_on import hotfix_active
+from hotfix.worlds.scheduler_world import World, nixl_pull
+from hotfix.worlds.timeline import Arrive
 
 FIX = "lease-guard"
 LEASE_S = 30  # NIXL's default kv_lease_duration
@@ -122,7 +122,7 @@ def decode(monkeypatch):
 
     if not current_platform.device_type:  # a --no-deps vLLM (the 0.33.0 leg): no platform
         pytest.skip("NIXL's worker needs a vLLM platform with a device type")
-    from tests.worlds.nixl_worker import DecodeWorld
+    from hotfix.worlds.nixl_worker import DecodeWorld
 
     worlds = []
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, last_json, run_py
-from tests.worlds.lmcache_server import require_release
+from conftest import REPO, last_json, require_release, run_py
 
 PROBE = """
 import json, sys

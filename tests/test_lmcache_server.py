@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from conftest import clean_env
-from tests.worlds.lmcache_server import LMCacheServer, require_release
+from conftest import clean_env, require_release
+from hotfix.worlds.lmcache_server import LMCacheServer
 
 
 def test_the_real_lmcache_server_answers_then_stops_with_its_process_group_and_leaves_no_shm(tmp_path):

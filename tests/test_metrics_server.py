@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import REPO, clean_env, marked_by_selected_tests
-from tests.worlds import api_server
+from hotfix.worlds import api_server
 
 RACES = 2
 

@@ -14,13 +14,13 @@ import pytest
 
 from hotfix import registry, status
 from hotfix.fixes import nixl_settle
-from tests.worlds.hotfix_on import hotfix_active
+from hotfix.worlds.hotfix_on import hotfix_active
 
 FIX = "nixl-settle"
 WORKER_ASSERT = 'assert meta is not None, f"{req_id} not found in recving_metadata list"'
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
-from tests.worlds.nixl_worker import DecodeWorld  # noqa: E402  (needs vLLM's NIXL package)
+from hotfix.worlds.nixl_worker import DecodeWorld  # noqa: E402  (needs vLLM's NIXL package)
 
 
 def _shape() -> str:

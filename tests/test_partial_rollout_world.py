@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hotfix import status
-from tests.worlds import scenarios
-from tests.worlds.hotfix_on import hotfix_active
-from tests.worlds.tracker import BLOCKS_NOT_RETURNED
+from hotfix.worlds import scenarios
+from hotfix.worlds.hotfix_on import hotfix_active
+from hotfix.worlds.tracker import BLOCKS_NOT_RETURNED
 from tests.worlds.verdicts import delivered_at, run_fixed, run_stock, verdicts
 
 

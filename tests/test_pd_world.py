@@ -29,7 +29,7 @@ import pytest
 from conftest import clean_env, install_home, marked_by_selected_tests
 from hotfix import metrics, status
 from hotfix.fixes.lease_guard import DEADLINE_KEY
-from tests.worlds.pd_world import (
+from hotfix.worlds.pd_world import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     VOCAB_SIZE,

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, install_home
-from tests.worlds.lmcache_server import LMCacheServer, require_release
-from tests.worlds.pd_world import (
+from conftest import clean_env, install_home, require_release
+from hotfix.worlds.lmcache_server import LMCacheServer
+from hotfix.worlds.pd_world import (
     VOCAB_SIZE,
     Engine,
     EngineFailure,

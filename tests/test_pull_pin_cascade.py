@@ -20,10 +20,10 @@ import inspect
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from tests.worlds import scenarios
-from tests.worlds.scenarios import LONG_REMOTE_R, Scenario
-from tests.worlds.timeline import Abort, Arrive, LoadDone, Preempt
-from tests.worlds.tracker import WRITE_INTO_FREED, WRITE_INTO_REALLOCATED
+from hotfix.worlds import scenarios
+from hotfix.worlds.scenarios import LONG_REMOTE_R, Scenario
+from hotfix.worlds.timeline import Abort, Arrive, LoadDone, Preempt
+from hotfix.worlds.tracker import WRITE_INTO_FREED, WRITE_INTO_REALLOCATED
 from tests.worlds.verdicts import run_fixed, run_stock
 
 pytestmark = pytest.mark.skipif(

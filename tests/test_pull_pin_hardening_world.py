@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tests.worlds import scenarios
-from tests.worlds.tracker import BLOCKS_NOT_RETURNED, WRITE_INTO_FREED, WRITE_INTO_REALLOCATED
+from hotfix.worlds import scenarios
+from hotfix.worlds.tracker import BLOCKS_NOT_RETURNED, WRITE_INTO_FREED, WRITE_INTO_REALLOCATED
 from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock, verdicts
 
 FIX = "pull-pin"

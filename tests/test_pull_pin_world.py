@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hotfix import status
-from tests.worlds import scenarios
-from tests.worlds.scheduler_world import buggy_lmcache_mp, nixl_pull
-from tests.worlds.timeline import Arrive, LoadDone, StrayReport
-from tests.worlds.tracker import (BLOCKS_NOT_RETURNED, COMPUTE_WHILE_LOADING, WRITE_INTO_FREED,
+from hotfix.worlds import scenarios
+from hotfix.worlds.scheduler_world import buggy_lmcache_mp, nixl_pull
+from hotfix.worlds.timeline import Arrive, LoadDone, StrayReport
+from hotfix.worlds.tracker import (BLOCKS_NOT_RETURNED, COMPUTE_WHILE_LOADING, WRITE_INTO_FREED,
                                   WRITE_INTO_REALLOCATED)
 from tests.worlds.verdicts import finished, run_fixed, run_stock, verdicts
 

@@ -12,11 +12,11 @@ from collections import Counter
 
 from hypothesis import HealthCheck, find, given, settings
 
-from tests.worlds.hotfix_on import hotfix_active
+from hotfix.worlds.hotfix_on import hotfix_active
 from tests.worlds.randomized import NEVER_FINISHED, play, timelines
-from tests.worlds.scenarios import BUG_REPORT, NIXL_AND_SAVING_CACHE, Scenario
-from tests.worlds.scheduler_world import patched_methods
-from tests.worlds.timeline import Arrive, LoadDone, Preempt, SaveDone
+from hotfix.worlds.scenarios import BUG_REPORT, NIXL_AND_SAVING_CACHE, Scenario
+from hotfix.worlds.scheduler_world import patched_methods
+from hotfix.worlds.timeline import Arrive, LoadDone, Preempt, SaveDone
 
 FIXES = ("recv-barrier", "xfer-guard", "pull-pin")
 QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]

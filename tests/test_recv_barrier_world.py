@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from tests.worlds import scenarios
-from tests.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED, FAILED_RECVS_SUPPORTED
-from tests.worlds.tracker import COMPUTE_WHILE_LOADING, WRITE_INTO_FREED
+from hotfix.worlds import scenarios
+from hotfix.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED, FAILED_RECVS_SUPPORTED
+from hotfix.worlds.tracker import COMPUTE_WHILE_LOADING, WRITE_INTO_FREED
 from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock, verdicts
 
 FIX = "recv-barrier"

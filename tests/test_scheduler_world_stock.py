@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from tests.worlds import scenarios
-from tests.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED, patched_methods
-from tests.worlds.tracker import (
+from hotfix.worlds import scenarios
+from hotfix.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED, patched_methods
+from hotfix.worlds.tracker import (
     BLOCKS_NOT_RETURNED,
     COMPUTE_WHILE_LOADING,
     READ_FROM_FREED,

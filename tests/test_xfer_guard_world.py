@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from hotfix import status
-from tests.worlds import scenarios
-from tests.worlds.tracker import COMPUTE_WHILE_LOADING, READ_FROM_FREED, WRITE_INTO_FREED
+from hotfix.worlds import scenarios
+from hotfix.worlds.tracker import COMPUTE_WHILE_LOADING, READ_FROM_FREED, WRITE_INTO_FREED
 from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock, verdicts
 
 FIX = "xfer-guard"

@@ -1,6 +1,2 @@
-"""In-process test worlds around the real vLLM scheduler and KV connectors.
-
-Kept free of vLLM imports so that `tests.worlds.tracker` and
-`tests.worlds.timeline` load without vLLM; `scheduler_world` and
-`connectors` import vLLM.
-"""
+"""Test-only helpers around the worlds of ``hotfix.worlds``: hypothesis timelines, shifted
+vLLM trees, and verdict helpers."""

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from tests.worlds.scenarios import BUG_REPORT, NIXL_AND_SAVING_CACHE, Scenario
-from tests.worlds.scheduler_world import RunResult, World, buggy_lmcache_mp, nixl_pull
-from tests.worlds.timeline import Abort, Arrive, Event, LoadDone, Preempt, SaveDone, Stop
+from hotfix.worlds.scenarios import BUG_REPORT, NIXL_AND_SAVING_CACHE, Scenario
+from hotfix.worlds.scheduler_world import RunResult, World, buggy_lmcache_mp, nixl_pull
+from hotfix.worlds.timeline import Abort, Arrive, Event, LoadDone, Preempt, SaveDone, Stop
 
 NIXL, CACHE = "nixl", "lmc"
 REQUEST_IDS = ("R", "S", "T", "B")

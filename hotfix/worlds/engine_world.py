@@ -9,7 +9,7 @@ processes the way it would in production:
 * ``PLUGIN`` — the same home without the shim, found by vLLM's ``vllm.general_plugins``
   loader through a dist-info on ``PYTHONPATH``.
 
-The test connectors are importable as ``tests.worlds.engine_connectors`` through a
+The test connectors are importable as ``hotfix.worlds.engine_connectors`` through a
 ``tests`` symlink in a directory of their own: the repository root itself must stay off
 the path, or its ``sitecustomize.py`` would patch the stock run.
 
@@ -38,13 +38,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import REPO, clean_env, install_home
-
-from tests.worlds import engine_connectors
-from tests.worlds.tiny_model import tiny_llama_dir
+from hotfix.worlds.home import clean_env, hotfix_home
+from hotfix.worlds.tiny_model import tiny_llama_dir
 
 STOCK, PYTHONPATH, PLUGIN = "stock", "pythonpath", "plugin"
-MARKED = {engine_connectors.LOAD_MARKER: True}
+HERE = Path(__file__).resolve().parent
+CONNECTORS_MODULE = "engine_connectors"  # imported by vLLM, flat, from connectors_dir()
+LOAD_MARKER = "engine_world_remote_kv"  # kv_transfer_params key: "this prompt's KV is remote"
+MARKED = {LOAD_MARKER: True}
 
 _DRIVER = r'''
 """Engine-world driver: one LLM, one generate() call, a JSON result. Spawn re-imports this
@@ -84,6 +85,8 @@ def main(spec_path, result_path):
                 break
         else:
             result["completed"] = True
+            # True only if no block is held (by a request, a pin or a hold): all came back
+            result["blocks_free_at_end"] = llm.reset_prefix_cache()
     except EngineDeadError as exc:
         result["engine_dead"] = True
         result["error"] = repr(exc)
@@ -137,6 +140,8 @@ class EngineRun:
     processes: list[dict] = field(default_factory=list)  # one record per connector instance
     start_method_env: str | None = None  # what the driver's env said once the engine was up
     phase_outputs: list[dict[str, list[int]]] = field(default_factory=list)
+    blocks_free_at_end: bool | None = None  # reset_prefix_cache() after the last phase
+    computed_while_loading: list[dict] = field(default_factory=list)  # SlowLoader's notes
 
     def in_role(self, role: str) -> list[dict]:
         return [p for p in self.processes if p["role"] == role]
@@ -168,7 +173,7 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
                start_method: str | None = None, env: dict | None = None,
                extra_path=(), timeout: float = 600.0, drop_hotfix_in: str | None = None,
                phases=None, kv_transfer_config: dict | None = None,
-               engine_args: dict | None = None) -> EngineRun:
+               engine_args: dict | None = None, slow_steps_by_rank: dict | None = None) -> EngineRun:
     """Start the engine in a subprocess with the hotfix delivered by ``variant``, run
     ``requests`` to the end (or the engine's death), and tear everything down.
     ``extra_path`` goes on ``PYTHONPATH`` after ours (e.g. a vLLM tree to run instead);
@@ -187,8 +192,9 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
 
     records = work / "records"
     records.mkdir()
-    kv_config = kv_transfer_config or engine_connectors.multi_connector_config(
-        slow_steps, report_dir=str(records), drop_hotfix_in=drop_hotfix_in)
+    kv_config = kv_transfer_config or multi_connector_config(
+        slow_steps, report_dir=str(records), drop_hotfix_in=drop_hotfix_in,
+        slow_steps_by_rank=slow_steps_by_rank)
     spec = {
         "model": str(tiny_llama_dir()),
         "kv_transfer_config": kv_config,
@@ -232,10 +238,16 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
         wall_s=round(wall, 1),
         timings={k: result[k] for k in ("import_s", "start_s", "generate_s") if k in result},
         processes=[json.loads(p.read_text()) for p in sorted(records.glob("*.json"))],
+        blocks_free_at_end=result.get("blocks_free_at_end"),
+        computed_while_loading=[json.loads(line) for line in _lines(records / "computed-while-loading.jsonl")],
         start_method_env=result.get("start_method_env"),
     )
     shutil.rmtree(work, ignore_errors=True)
     return run
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
 
 
 def side_by_side(jobs: dict, workers: int = 2) -> dict:
@@ -259,18 +271,60 @@ def run_engine_retrying_a_port_race(*args, **kwargs) -> EngineRun:
     return run
 
 
+def multi_connector_config(slow_steps: int, fast_steps: int = 1, report_dir: str | None = None,
+                           drop_hotfix_in: str | None = None, slow_steps_by_rank: dict | None = None) -> dict:
+    """``kv_transfer_config`` for ``MultiConnector[SlowLoader, FastLoader]`` on a decode node;
+    ``drop_hotfix_in="worker"`` (or ``"scheduler"``) runs that side without the hotfix;
+    ``slow_steps_by_rank={1: n}``: the slow load takes ``n`` steps on TP rank 1."""
+    def child(name: str, steps: int) -> dict:
+        extra = {"load_steps": steps, "remote_marker": LOAD_MARKER}
+        if name == "SlowLoader" and slow_steps_by_rank:
+            extra["load_steps_by_rank"] = {str(rank): n for rank, n in slow_steps_by_rank.items()}
+        if report_dir:
+            extra["report_dir"] = report_dir
+        if drop_hotfix_in:
+            extra["drop_hotfix_in"] = drop_hotfix_in
+        return {"kv_connector": name, "kv_role": "kv_consumer",
+                "kv_connector_module_path": CONNECTORS_MODULE, "kv_connector_extra_config": extra}
+
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"connectors": [child("SlowLoader", slow_steps),
+                                                         child("FastLoader", fast_steps)]}}
+
+
+def slow_loader_beside_lmcache_config(slow_steps: int, remote_tokens: int, lmcache_extra: dict) -> dict:
+    """The bug report's decode node with the real LMCache: ``MultiConnector[SlowLoader,
+    LMCacheMPConnector]``. SlowLoader (NIXL-like, listed first, so chosen) claims the first
+    ``remote_tokens`` of a marked prompt — what LMCache holds of it — and writes nothing;
+    LMCache's own connector (``kv_both``, vLLM resolves the name to lmcache's class) stores
+    every prompt and, up to lmcache 0.5.4, retrieves a hit although it was not chosen."""
+    slow = {"kv_connector": "SlowLoader", "kv_role": "kv_consumer", "kv_connector_module_path": CONNECTORS_MODULE,
+            "kv_connector_extra_config": {"load_steps": slow_steps, "remote_tokens": remote_tokens,
+                                          "remote_marker": LOAD_MARKER}}
+    lmcache = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": lmcache_extra}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [slow, lmcache]}}
+
+
+def connectors_dir(dest: Path) -> Path:
+    """``dest`` holding the test connectors as flat modules, for an engine's PYTHONPATH."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (f"{CONNECTORS_MODULE}.py", "without_hotfix.py"):
+        shutil.copy2(HERE / name, dest / name)
+    return dest
+
+
 def _python_path(variant: str, work: Path) -> list[Path]:
-    connectors_root = work / "connectors"
-    connectors_root.mkdir()
-    (connectors_root / "tests").symlink_to(REPO / "tests", target_is_directory=True)
+    connectors_root = connectors_dir(work / "connectors")
     if variant == STOCK:
         return [connectors_root]
     if variant == PYTHONPATH:
-        return [install_home(work / "home", fixes=()), connectors_root]
+        return [hotfix_home(work / "home"), connectors_root]
     if variant == PLUGIN:
         from hotfix import cli
 
-        home = install_home(work / "home", fixes=(), shim=False)
+        home = hotfix_home(work / "home", shim=False)
         cli.write_dist_info(str(home))
         return [home, connectors_root]
     raise ValueError(f"unknown variant {variant!r}")

@@ -7,7 +7,7 @@ on the worker side (one instance per TP rank, built through the factory with
 role WORKER), vLLM's `NixlPullConnectorScheduler`, and `KVOutputAggregator`.
 What is emulated: the model (it samples a filler token, or a stop token when
 the timeline says so) and the transfers themselves (children in
-`tests.worlds.connectors` report when the timeline says).
+`hotfix.worlds.connectors` report when the timeline says).
 
 One tick mirrors `EngineCore.step` / `step_with_batch_queue`: timeline events,
 `schedule()`, the workers' connector calls for that batch (bind metadata,
@@ -76,8 +76,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tests.worlds import connectors
-from tests.worlds.timeline import (
+from hotfix.worlds import connectors
+from hotfix.worlds.timeline import (
     Abort,
     Arrive,
     Event,
@@ -88,9 +88,9 @@ from tests.worlds.timeline import (
     Stop,
     StrayReport,
 )
-from tests.worlds.tracker import BlockTracker
+from hotfix.worlds.tracker import BlockTracker
 
-CONNECTORS_MODULE = "tests.worlds.connectors"
+CONNECTORS_MODULE = "hotfix.worlds.connectors"
 FILLER_TOKEN = 7
 STOP_TOKEN = 3
 HEAD_SIZE = 64
@@ -194,7 +194,7 @@ def patched_methods() -> list[str]:
 
 @dataclass(frozen=True)
 class Child:
-    """One MultiConnector child: `kind` is a class in tests.worlds.connectors."""
+    """One MultiConnector child: `kind` is a class in hotfix.worlds.connectors."""
 
     kind: str
     name: str

@@ -50,21 +50,6 @@ def release_dir(version: str) -> Path | None:
     return path if (path / "lmcache").is_dir() else None
 
 
-def require_release(version: str) -> Path:
-    """The release's directory; a skip where it is not installed, a failure where the CI leg
-    installed lmcache (``HOTFIX_REQUIRE_LMCACHE=1``, set by .ci/leg.sh), so a missing install
-    step can never turn these tests into skips."""
-    import pytest
-
-    path = release_dir(version)
-    if path is None:
-        message = f"lmcache {version} is not under {LMCACHE_ROOT} (.ci/leg.sh installs it)"
-        if os.environ.get("HOTFIX_REQUIRE_LMCACHE") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -6,7 +6,7 @@ side (``"scheduler"``: the EngineCore, ``"worker"``: a worker), that process bec
 hotfix did not reach (a Ray worker without our PYTHONPATH, an EngineCore from another image):
 every wrapper is reverted and our fix modules can no longer be imported, so unpickling one of
 their classes there fails as it would in a process without ``hotfix``. Imported as a flat
-module by the P/D world's copied connectors, and as ``tests.worlds.without_hotfix`` by the
+module by the P/D world's copied connectors, and as ``hotfix.worlds.without_hotfix`` by the
 engine world's.
 """
 from __future__ import annotations

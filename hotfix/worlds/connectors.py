@@ -53,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.utils.math_utils import cdiv
 
-from tests.worlds.timeline import LoadFailed
+from hotfix.worlds.timeline import LoadFailed
 
 _WORLDS: dict[str, Any] = {}
 
