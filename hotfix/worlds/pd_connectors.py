@@ -84,6 +84,12 @@ def poll_nixl_progress_instead_of_spinning() -> None:
 poll_nixl_progress_instead_of_spinning()
 
 
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 def _extra(vllm_config) -> dict:
     return vllm_config.kv_transfer_config.kv_connector_extra_config
 
@@ -95,6 +101,9 @@ class DelayedReadNixlConnector(NixlPullConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         drop_hotfix_if_asked(_extra(vllm_config), role == KVConnectorRole.SCHEDULER)
         self._read_delay_steps = int(_extra(vllm_config).get("read_delay_steps", 0))
+        self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        by_rank = _extra(vllm_config).get("read_delay_steps_by_rank") or {}
+        self._read_delay_steps = int(by_rank.get(str(self._rank), self._read_delay_steps))
         self._read_delay_s = float(_extra(vllm_config).get("read_delay_s", 0.0))
         self._step = 0
         self._held: dict[str, tuple[int, float, object]] = {}  # req_id -> (step, time it is due, ReqMeta)
@@ -133,8 +142,8 @@ class DelayedReadNixlConnector(NixlPullConnector):
                if step <= self._step and at <= now}
         for req_id, meta in due.items():
             del self._held[req_id]
-            logger.info("pd_world: NIXL READ of %s starts at step %d into blocks %s", req_id, self._step,
-                        [b for group in meta.local_block_ids for b in group])
+            logger.info("pd_world: NIXL READ of %s starts at step %d into blocks %s on rank %d", req_id,
+                        self._step, [b for group in meta.local_block_ids for b in group], self._rank)
         delayed = copy.copy(metadata)
         delayed.reqs_to_recv = due
         self.connector_worker.start_load_kv(delayed)
@@ -153,8 +162,8 @@ class DelayedReadNixlConnector(NixlPullConnector):
 
     def _log_received(self, recving) -> None:
         for req_id in recving or ():
-            logger.info("pd_world: NIXL reports %s received at step %d (t=%.3f)", req_id, self._step,
-                        time.monotonic())
+            logger.info("pd_world: NIXL reports %s received at step %d (t=%.3f) on rank %d", req_id,
+                        self._step, time.monotonic(), self._rank)
 
 
 @dataclass

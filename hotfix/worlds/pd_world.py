@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -108,7 +109,8 @@ def decode_nixl_config() -> dict:
 
 
 def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
-                             drop_hotfix_in: str | None = None, heartbeat_lease_s: int | None = None) -> dict:
+                             drop_hotfix_in: str | None = None, heartbeat_lease_s: int | None = None,
+                             read_delay_steps_by_rank: dict | None = None) -> dict:
     """The bug report's decode node: MultiConnector[NIXL, LMCache-MP-like loader].
 
     NIXL's READ starts ``read_delay_steps`` engine steps late (the slow GB-scale pull); the
@@ -116,13 +118,17 @@ def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
     ``retrieve_steps`` steps (the fast CPU-memory hit). ``drop_hotfix_in="worker"`` runs the
     worker without the hotfix (``without_hotfix``). ``heartbeat_lease_s``: NIXL's
     ``kv_lease_duration`` on this decode, which sets its heartbeat interval (a sixth of it).
+    ``read_delay_steps_by_rank={1: n}``: at TP>1, rank 1's READ starts ``n`` steps late.
     """
     dropped = {"drop_hotfix_in": drop_hotfix_in} if drop_hotfix_in else {}
     loader = {"kv_connector": "EagerRetrieveConnector", "kv_connector_module_path": CONNECTORS_MODULE,
               "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps,
                                                                   **dropped}}
     lease = {"kv_lease_duration": heartbeat_lease_s} if heartbeat_lease_s else {}
-    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped, **lease}),
+    by_rank = ({"read_delay_steps_by_rank": {str(r): n for r, n in read_delay_steps_by_rank.items()}}
+               if read_delay_steps_by_rank else {})
+    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped, **lease,
+                                                  **by_rank}),
                                    loader)
 
 
@@ -181,9 +187,27 @@ class EngineFailure(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range: an engine binds it only
+    once it has started, and meanwhile every socket bound to port 0 (gloo's TP pairs, zmq,
+    UCX) draws from the ephemeral range, so none of them can take it first."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, low) if low > 11000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError("no free loopback port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # unknown: let the kernel choose
 
 
 @dataclass
@@ -504,6 +528,17 @@ def timeline(log: str) -> dict[str, dict[str, int]]:
         for req_id, step in pattern.findall(log):
             events.setdefault(req_id, {}).setdefault(name, int(step))
     return events
+
+
+_NIXL_REPORT_ON_RANK = re.compile(r"pd_world: NIXL reports (\S+) received at step (\d+) \(t=[\d.]+\) on rank (\d+)")
+
+
+def nixl_reports_by_rank(log: str) -> dict[str, dict[int, int]]:
+    """The worker step each rank's NIXL reported each request in (the first report per rank)."""
+    reports: dict[str, dict[int, int]] = {}
+    for req_id, step, rank in _NIXL_REPORT_ON_RANK.findall(log):
+        reports.setdefault(req_id, {}).setdefault(int(rank), int(step))
+    return reports
 
 
 def seconds(log: str) -> dict[str, dict[str, float]]:
