@@ -28,6 +28,7 @@ from hotfix.worlds.engine_world import (
     run_engine_retrying_a_port_race,
     side_by_side,
 )
+from hotfix.worlds.pd_world import orphaned_cpu_shm
 from tests.worlds import shifted_tree
 
 IN_REQUESTS = "assert req_id in self.requests"
@@ -298,3 +299,4 @@ def test_hotfix_tp2_computes_only_after_both_ranks_loaded_and_is_live_on_every_r
         wrapped = _states(root / "status", pid)["recv-barrier"]["wrapped"]
         assert any(w.endswith("MultiConnector.bind_connector_metadata") for w in wrapped), wrapped
     assert run.hotfix_complaints() == [], run.hotfix_complaints()
+    assert orphaned_cpu_shm() == []  # the TP communicators' segments went with their engines

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotfix.worlds.home import clean_env, hotfix_home
+from hotfix.worlds.pd_world import remove_orphaned_cpu_shm
 from hotfix.worlds.tiny_model import tiny_llama_dir
 
 STOCK, PYTHONPATH, PLUGIN = "stock", "pythonpath", "plugin"
@@ -263,9 +264,12 @@ def side_by_side(jobs: dict, workers: int = 2) -> dict:
     steps, not seconds."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
-        return {name: future.result() for name, future in futures.items()}
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {name: pool.submit(job) for name, job in jobs.items()}
+            return {name: future.result() for name, future in futures.items()}
+    finally:  # every engine is gone: what their TP communicators left in /dev/shm goes too
+        remove_orphaned_cpu_shm()
 
 
 def run_engine_retrying_a_port_race(*args, **kwargs) -> EngineRun:

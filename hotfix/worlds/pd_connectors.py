@@ -101,9 +101,7 @@ class DelayedReadNixlConnector(NixlPullConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         drop_hotfix_if_asked(_extra(vllm_config), role == KVConnectorRole.SCHEDULER)
         self._read_delay_steps = int(_extra(vllm_config).get("read_delay_steps", 0))
-        self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
-        by_rank = _extra(vllm_config).get("read_delay_steps_by_rank") or {}
-        self._read_delay_steps = int(by_rank.get(str(self._rank), self._read_delay_steps))
+        self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0  # named in the log lines
         self._read_delay_s = float(_extra(vllm_config).get("read_delay_s", 0.0))
         self._step = 0
         self._held: dict[str, tuple[int, float, object]] = {}  # req_id -> (step, time it is due, ReqMeta)

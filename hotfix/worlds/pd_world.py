@@ -109,8 +109,7 @@ def decode_nixl_config() -> dict:
 
 
 def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
-                             drop_hotfix_in: str | None = None, heartbeat_lease_s: int | None = None,
-                             read_delay_steps_by_rank: dict | None = None) -> dict:
+                             drop_hotfix_in: str | None = None, heartbeat_lease_s: int | None = None) -> dict:
     """The bug report's decode node: MultiConnector[NIXL, LMCache-MP-like loader].
 
     NIXL's READ starts ``read_delay_steps`` engine steps late (the slow GB-scale pull); the
@@ -118,17 +117,13 @@ def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
     ``retrieve_steps`` steps (the fast CPU-memory hit). ``drop_hotfix_in="worker"`` runs the
     worker without the hotfix (``without_hotfix``). ``heartbeat_lease_s``: NIXL's
     ``kv_lease_duration`` on this decode, which sets its heartbeat interval (a sixth of it).
-    ``read_delay_steps_by_rank={1: n}``: at TP>1, rank 1's READ starts ``n`` steps late.
     """
     dropped = {"drop_hotfix_in": drop_hotfix_in} if drop_hotfix_in else {}
     loader = {"kv_connector": "EagerRetrieveConnector", "kv_connector_module_path": CONNECTORS_MODULE,
               "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps,
                                                                   **dropped}}
     lease = {"kv_lease_duration": heartbeat_lease_s} if heartbeat_lease_s else {}
-    by_rank = ({"read_delay_steps_by_rank": {str(r): n for r, n in read_delay_steps_by_rank.items()}}
-               if read_delay_steps_by_rank else {})
-    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped, **lease,
-                                                  **by_rank}),
+    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped, **lease}),
                                    loader)
 
 
@@ -201,6 +196,47 @@ def free_port() -> int:
                 continue
             return sock.getsockname()[1]
     raise RuntimeError("no free loopback port below the ephemeral range")
+
+
+def orphaned_cpu_shm(min_age_s: float = 0.0) -> list[str]:
+    """``/dev/shm`` segments of vLLM's CPU TP communicator (``*-cpushm_<rank>``, 4 MiB each)
+    that no live process maps and that are at least ``min_age_s`` old. vLLM unlinks them only
+    in a clean shutdown; an engine the world ends by signal leaves them behind."""
+    shm = Path("/dev/shm")
+    try:
+        candidates = [p for p in shm.iterdir() if "cpushm" in p.name]
+    except OSError:
+        return []
+    now = time.time()
+    candidates = [p for p in candidates if _age(p, now) >= min_age_s]
+    if not candidates:
+        return []
+    mapped: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                mapped.update(line.rsplit(" ", 1)[-1].strip() for line in
+                              Path("/proc", entry, "maps").read_text().splitlines() if "/dev/shm/" in line)
+            except OSError:
+                continue
+    return [str(p) for p in candidates if str(p) not in mapped]
+
+
+def remove_orphaned_cpu_shm(min_age_s: float = 0.0) -> None:
+    """Unlink :func:`orphaned_cpu_shm`. Call it when none of the world's engines is starting:
+    rank 0 creates a segment that the other ranks open by name a moment later."""
+    for path in orphaned_cpu_shm(min_age_s):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _age(path: Path, now: float) -> float:
+    try:
+        return now - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _ephemeral_low() -> int:
@@ -400,12 +436,14 @@ class PDWorld:
         return Engine(name, log_path, process, Connection(ours.detach()))
 
     def close(self, grace: float = 30.0) -> None:
-        """Shut every engine down side by side; none outlives this call."""
+        """Shut every engine down side by side; none outlives this call, nor its TP
+        communicator's shared memory."""
         for engine in self.engines:
             engine.ask_to_close()
         deadline = time.monotonic() + grace
         for engine in self.engines:
             engine.end(deadline)
+        remove_orphaned_cpu_shm()
 
 
 def transfer(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int,
@@ -528,17 +566,6 @@ def timeline(log: str) -> dict[str, dict[str, int]]:
         for req_id, step in pattern.findall(log):
             events.setdefault(req_id, {}).setdefault(name, int(step))
     return events
-
-
-_NIXL_REPORT_ON_RANK = re.compile(r"pd_world: NIXL reports (\S+) received at step (\d+) \(t=[\d.]+\) on rank (\d+)")
-
-
-def nixl_reports_by_rank(log: str) -> dict[str, dict[int, int]]:
-    """The worker step each rank's NIXL reported each request in (the first report per rank)."""
-    reports: dict[str, dict[int, int]] = {}
-    for req_id, step, rank in _NIXL_REPORT_ON_RANK.findall(log):
-        reports.setdefault(req_id, {}).setdefault(int(rank), int(step))
-    return reports
 
 
 def seconds(log: str) -> dict[str, dict[str, float]]:
