@@ -34,8 +34,8 @@ from hotfix.worlds.lmcache_server import LMCacheServer
 CHUNK = 256  # the server's --chunk-size: LMCache stores and retrieves whole chunks
 R_PROMPT = tuple(10 + (7 * i) % 240 for i in range(CHUNK + 44))
 STORE = (Req("R", R_PROMPT, max_tokens=8),)
-RACE = (Req("R", R_PROMPT, max_tokens=8, remote=True), Req("P", tuple(range(100, 140)), max_tokens=24))
-SLOW_STEPS = 8
+RACE = (Req("R", R_PROMPT, max_tokens=8, remote=True), Req("P", tuple(range(100, 140)), max_tokens=64))
+SLOW_STEPS = 24  # LMCache's retrieve (wall clock) must report first also where steps are fast; P keeps stepping past it
 # LMCache stores the first phase's chunk asynchronously; the race needs it stored before R's
 # lookup (a run here once looked up too early: no hit, no retrieve, no race, stock survived).
 STORE_LANDS_S = 2.0
