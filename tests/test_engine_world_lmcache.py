@@ -36,9 +36,6 @@ R_PROMPT = tuple(10 + (7 * i) % 240 for i in range(CHUNK + 44))
 STORE = (Req("R", R_PROMPT, max_tokens=8),)
 RACE = (Req("R", R_PROMPT, max_tokens=8, remote=True), Req("P", tuple(range(100, 140)), max_tokens=64))
 SLOW_STEPS = 24  # LMCache's retrieve (wall clock) must report first also where steps are fast; P keeps stepping past it
-# LMCache stores the first phase's chunk asynchronously; the race needs it stored before R's
-# lookup (a run here once looked up too early: no hit, no retrieve, no race, stock survived).
-STORE_LANDS_S = 2.0
 DEATHS = ("assert req_id in self.requests", "assert RequestStatus.is_finished(req.status)")
 
 
@@ -49,7 +46,7 @@ def run_with_lmcache(version: str, variant: str, tmp_path) -> tuple[EngineRun, s
         config = slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config())
         run = run_engine_retrying_a_port_race(
             variant, phases=(STORE, RACE), kv_transfer_config=config, extra_path=[release],
-            engine_args={"enable_prefix_caching": False}, phase_pause_s=STORE_LANDS_S)
+            engine_args={"enable_prefix_caching": False})
     return run, log.read_text(errors="replace")
 
 

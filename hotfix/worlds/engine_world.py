@@ -73,9 +73,7 @@ def main(spec_path, result_path):
     result["start_method_env"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
     try:
         result["outputs"] = []
-        for index, phase in enumerate(spec["phases"]):  # one generate() call each, in order
-            if index:
-                time.sleep(spec.get("phase_pause_s", 0))
+        for phase in spec["phases"]:  # one generate() call each, in order
             prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in phase]
             params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
                                      detokenize=False,
@@ -176,15 +174,13 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
                start_method: str | None = None, env: dict | None = None,
                extra_path=(), timeout: float = 600.0, drop_hotfix_in: str | None = None,
                phases=None, kv_transfer_config: dict | None = None,
-               engine_args: dict | None = None, slow_steps_by_rank: dict | None = None,
-               phase_pause_s: float = 0.0) -> EngineRun:
+               engine_args: dict | None = None, slow_steps_by_rank: dict | None = None) -> EngineRun:
     """Start the engine in a subprocess with the hotfix delivered by ``variant``, run
     ``requests`` to the end (or the engine's death), and tear everything down.
     ``extra_path`` goes on ``PYTHONPATH`` after ours (e.g. a vLLM tree to run instead);
     ``drop_hotfix_in="worker"|"scheduler"``: that process runs without the hotfix.
     ``phases`` (tuples of ``Req``) run one ``generate()`` call each, in order, on the same
-    engine, ``phase_pause_s`` apart (a real cache stores asynchronously: what the next phase
-    should find needs time to land); ``kv_transfer_config`` replaces the SlowLoader/FastLoader
+    engine; ``kv_transfer_config`` replaces the SlowLoader/FastLoader
     pair; ``slow_steps_by_rank={1: n}``: the slow load takes ``n`` steps on TP rank 1."""
     phases = tuple(phases) if phases is not None else (tuple(requests),)
     work = Path(tempfile.mkdtemp(prefix=f"engine-world-{variant}-"))
@@ -205,7 +201,6 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
         "model": str(tiny_llama_dir()),
         "kv_transfer_config": kv_config,
         "engine_args": engine_args or {},
-        "phase_pause_s": phase_pause_s,
         "phases": [[{"prompt": list(r.prompt), "max_tokens": r.max_tokens,
                      "kv_transfer_params": MARKED if r.remote else None} for r in phase]
                    for phase in phases],
