@@ -4,8 +4,9 @@
 
 Reads what .ci/leg.sh left in OUT_DIR for each LEG (status-LEG.json, junit-LEG.xml,
 times-LEG.txt, result-LEG.txt; summary-LEG.txt, where a leg wrote one, replaces the tests
-column: .ci/vllm-unit.sh's stock-vs-hotfix comparison). Stdlib only. Exit status 1 if a leg
-failed or left no record.
+column: .ci/vllm-unit.sh's stock-vs-hotfix comparison). Below the table, every failed test
+of every leg with the first lines of its message: CI shows only the tail of the run's output,
+so what failed must be there. Stdlib only. Exit status 1 if a leg failed or left no record.
 """
 import json
 import sys
@@ -43,6 +44,18 @@ def tests_of(junit_text: str | None) -> str:
     return f"{passed} passed, {total['failures'] + total['errors']} failed, {total['skipped']} skipped"
 
 
+def failures_of(junit_text: str | None, lines: int = 4) -> list[str]:
+    """``test id: the first lines of its failure`` for each failed or erroring test."""
+    if not junit_text:
+        return []
+    found = []
+    for case in ET.fromstring(junit_text).iter("testcase"):
+        for problem in (*case.findall("failure"), *case.findall("error")):
+            text = (problem.get("message") or problem.text or "").strip().splitlines()[:lines]
+            found.append(f"{case.get('classname')}::{case.get('name')}: " + " | ".join(t.strip() for t in text))
+    return found
+
+
 def main(out: Path, legs: list[str]) -> int:
     rows = []
     fix_names: list[str] = []
@@ -71,6 +84,12 @@ def main(out: Path, legs: list[str]) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    for leg in legs:
+        failed = failures_of(read(out / f"junit-{leg}.xml"))
+        if failed:
+            print(f"== failed in {leg} ({len(failed)})")
+            for line in failed[:30]:
+                print("  " + line[:600])
     return 1 if bad else 0
 
 

@@ -24,6 +24,7 @@ from hotfix.worlds.engine_world import (
     PYTHONPATH,
     STOCK,
     EngineRun,
+    Gate,
     Req,
     run_engine_retrying_a_port_race,
     side_by_side,
@@ -44,9 +45,12 @@ def run_with_lmcache(version: str, variant: str, tmp_path) -> tuple[EngineRun, s
     log = tmp_path / f"lmcache-{version}-{variant}.log"
     with LMCacheServer(release, log, clean_env()) as server:
         config = slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config())
+        # LMCache stores asynchronously: phase 2 waits for the server's word that phase 1's chunk
+        # landed, or R's lookup may miss it (seen here: no hit, no retrieve, no race)
+        stored = Gate(str(log), f"Stored {CHUNK} tokens")
         run = run_engine_retrying_a_port_race(
             variant, phases=(STORE, RACE), kv_transfer_config=config, extra_path=[release],
-            engine_args={"enable_prefix_caching": False})
+            engine_args={"enable_prefix_caching": False}, gates={1: stored})
     return run, log.read_text(errors="replace")
 
 
@@ -82,11 +86,11 @@ def test_stock_with_lmcache_0_5_4_dies_on_the_chosen_loaders_report_after_lmcach
 def test_hotfix_with_lmcache_0_5_4_waits_for_both_loaders_and_decodes_like_the_stored_run(runs):
     run, server_log = runs["0.5.4", PYTHONPATH]
     assert run.completed and not run.engine_dead, describe(run, server_log)
+    assert "Retrieved 256 tokens" in server_log, "the race's premise: LMCache loaded R's chunk"
     stored, raced = run.phase_outputs
     assert raced["R"] == stored["R"], "R decodes over the KV LMCache retrieved"
     assert "AssertionError" not in run.log
     assert run.hotfix_complaints() == [], run.hotfix_complaints()
-    assert "Retrieved 256 tokens" in server_log
 
 
 @pytest.mark.engine_run("0.5.6", STOCK)

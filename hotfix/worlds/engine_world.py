@@ -54,6 +54,18 @@ file in EngineCore and the worker as __mp_main__, so everything lives under the 
 import json, os, sys, time, traceback
 
 
+def wait_for_line(path, needle, timeout_s):
+    """True once the file at ``path`` holds ``needle`` (an outside party's log line)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path, errors="replace") as fh:
+                if needle in fh.read():
+                    return True
+        time.sleep(0.1)
+    return False
+
+
 def main(spec_path, result_path):
     with open(spec_path) as fh:
         spec = json.load(fh)
@@ -73,7 +85,10 @@ def main(spec_path, result_path):
     result["start_method_env"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
     try:
         result["outputs"] = []
-        for phase in spec["phases"]:  # one generate() call each, in order
+        for phase, gate in zip(spec["phases"], spec["gates"]):  # one generate() call each, in order
+            if gate and not wait_for_line(**gate):
+                result["error"] = f"gate before a phase never opened: {gate}"
+                break
             prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in phase]
             params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
                                      detokenize=False,
@@ -121,6 +136,16 @@ RACE = (
     Req("P", tuple(range(100, 120)), max_tokens=12),
 )
 SLOW_STEPS = 6
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Hold a phase until ``needle`` appears in the file at ``path`` (e.g. a server's log line
+    saying an asynchronous store of the previous phase landed): an event, not a guessed pause."""
+
+    path: str
+    needle: str
+    timeout_s: float = 60.0
 
 
 @dataclass
@@ -174,14 +199,16 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
                start_method: str | None = None, env: dict | None = None,
                extra_path=(), timeout: float = 600.0, drop_hotfix_in: str | None = None,
                phases=None, kv_transfer_config: dict | None = None,
-               engine_args: dict | None = None, slow_steps_by_rank: dict | None = None) -> EngineRun:
+               engine_args: dict | None = None, slow_steps_by_rank: dict | None = None,
+               gates: dict | None = None) -> EngineRun:
     """Start the engine in a subprocess with the hotfix delivered by ``variant``, run
     ``requests`` to the end (or the engine's death), and tear everything down.
     ``extra_path`` goes on ``PYTHONPATH`` after ours (e.g. a vLLM tree to run instead);
     ``drop_hotfix_in="worker"|"scheduler"``: that process runs without the hotfix.
     ``phases`` (tuples of ``Req``) run one ``generate()`` call each, in order, on the same
     engine; ``kv_transfer_config`` replaces the SlowLoader/FastLoader
-    pair; ``slow_steps_by_rank={1: n}``: the slow load takes ``n`` steps on TP rank 1."""
+    pair; ``slow_steps_by_rank={1: n}``: the slow load takes ``n`` steps on TP rank 1;
+    ``gates={i: Gate(...)}``: phase ``i`` starts only once another process logged a line."""
     phases = tuple(phases) if phases is not None else (tuple(requests),)
     work = Path(tempfile.mkdtemp(prefix=f"engine-world-{variant}-"))
     path = [*_python_path(variant, work), *extra_path]
@@ -204,6 +231,7 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
         "phases": [[{"prompt": list(r.prompt), "max_tokens": r.max_tokens,
                      "kv_transfer_params": MARKED if r.remote else None} for r in phase]
                    for phase in phases],
+        "gates": [vars(gates[i]) if gates and i in gates else None for i in range(len(phases))],
     }
     (work / "spec.json").write_text(json.dumps(spec))
     (work / "driver.py").write_text(_DRIVER)
