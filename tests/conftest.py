@@ -96,3 +96,15 @@ def home(tmp_path):
 @pytest.fixture
 def status_env(tmp_path):
     return clean_env(HOTFIX_STATUS_DIR=str(tmp_path / "status"))
+
+
+def pytest_sessionstart(session):
+    """A run killed mid-way (a timeout, a stopped session) leaves its engines and servers
+    running in sessions of their own; they would slow this run's races and hold its memory."""
+    from hotfix.worlds.home import reap_orphans
+    from hotfix.worlds.pd_world import remove_orphaned_cpu_shm
+
+    killed = reap_orphans()
+    if killed:
+        print(f"\nreaped {len(killed)} processes an earlier, killed run of the worlds left behind: {killed}")
+    remove_orphaned_cpu_shm()

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import hotfix
 
 DEPLOYED_FROM = Path(hotfix.__file__).resolve().parent.parent  # a checkout, a bundle or site-packages
+# Every process a world starts (and all it starts: EngineCore, workers, LMCache's server) carries
+# the pid of the process that ran the world, so what a killed run left behind can be found.
+OWNER_VAR = "HOTFIX_WORLD_OWNER"
 
 
 class NotDeployable(RuntimeError):
@@ -17,12 +22,67 @@ class NotDeployable(RuntimeError):
 
 
 def clean_env(**extra) -> dict:
-    """The parent's environment without anything that would inject or configure us."""
+    """The parent's environment without anything that would inject or configure us, marked
+    with this process as the world's owner (``reap_orphans``)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("HOTFIX_") and k not in ("PYTHONPATH", "VLLM_PLUGINS")}
     env["HF_HUB_OFFLINE"] = "1"
+    env[OWNER_VAR] = str(os.getpid())
     env.update(extra)
     return env
+
+
+def reap_orphans(tracker_grace_s: float = 10.0) -> list[int]:
+    """SIGKILL every process a world started for a run that no longer exists, and return their
+    pids. Engines and servers live in sessions of their own, so a run killed mid-way (a
+    timeout, a stopped session) leaves them running: hundreds of MiB each and CPU time that
+    the next run's races and timeouts would pay for. multiprocessing's resource trackers go
+    last: once the processes they watch are gone they unlink vLLM's shared memory and exit."""
+    orphans = _orphans()
+    killed = _kill([pid for pid, cmdline in orphans if b"resource_tracker" not in cmdline])
+    deadline = time.monotonic() + tracker_grace_s
+    while any(b"resource_tracker" in cmdline for _, cmdline in _orphans()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return killed + _kill([pid for pid, _ in _orphans()])
+
+
+def _orphans() -> list[tuple[int, bytes]]:
+    """(pid, command line) of each process whose world owner is gone."""
+    needle = f"{OWNER_VAR}=".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        owner = next((v[len(needle):] for v in environ if v.startswith(needle)), b"")
+        if owner.isdigit() and not _alive(int(owner)):
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def _kill(pids: list[int]) -> list[int]:
+    killed = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
+    return killed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def hotfix_home(dest: Path, shim: bool = True) -> Path:

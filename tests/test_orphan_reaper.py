@@ -1,0 +1,55 @@
+"""What a killed world run leaves behind is found by its owner mark and reaped; nothing of a
+live run is touched."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hotfix.worlds.home import OWNER_VAR, clean_env, reap_orphans
+
+# The owner starts a long-lived "engine" in a session of its own, as the worlds do, prints its
+# pid and waits to be killed.
+OWNER = (
+    "import subprocess, sys, time\n"
+    "from hotfix.worlds.home import clean_env\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+    "                         env=clean_env(), start_new_session=True)\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_an_engine_whose_run_was_killed_is_reaped_and_one_of_a_live_run_is_not():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], env=env, stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=clean_env(),
+                            start_new_session=True)
+    try:
+        orphan = int(owner.stdout.readline())
+        assert f"{OWNER_VAR}={owner.pid}".encode() in open(f"/proc/{orphan}/environ", "rb").read()
+        assert reap_orphans() == [], "the owner still runs: nothing is an orphan yet"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        assert alive(orphan), "a killed run's engine outlives it (its own session)"
+
+        assert orphan in reap_orphans()
+        deadline = time.monotonic() + 10
+        while alive(orphan) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(orphan)
+        assert live.poll() is None, "a process of this (live) run is left alone"
+    finally:
+        for proc in (owner, live):
+            proc.kill()
+            proc.wait(10)
