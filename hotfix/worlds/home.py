@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import hotfix
+from hotfix.status import pid_alive
 
 DEPLOYED_FROM = Path(hotfix.__file__).resolve().parent.parent  # a checkout, a bundle or site-packages
 # Every process a world starts (and all it starts: EngineCore, workers, LMCache's server) carries
@@ -59,7 +60,7 @@ def _orphans() -> list[tuple[int, bytes]]:
         except OSError:
             continue
         owner = next((v[len(needle):] for v in environ if v.startswith(needle)), b"")
-        if owner.isdigit() and not _alive(int(owner)):
+        if owner.isdigit() and not pid_alive(int(owner)):
             found.append((int(entry.name), cmdline))
     return found
 
@@ -73,16 +74,6 @@ def _kill(pids: list[int]) -> list[int]:
         except OSError:
             pass
     return killed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def hotfix_home(dest: Path, shim: bool = True) -> Path:
