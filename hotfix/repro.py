@@ -294,7 +294,7 @@ def main(world: str = "scheduler", as_json: bool = False, lmcache: str | None = 
     def progress(row: dict) -> None:
         rows.append(row)
         if not as_json:
-            print(f"{row['race']}: stock {row['stock']} | hotfix {row['hotfix']} ({row['seconds']:.0f} s)",
+            print(f"{row['race']}: stock {row['stock']} | hotfix {row['hotfix']} ({row['seconds']:.1f} s)",
                   flush=True)
 
     if not as_json:
