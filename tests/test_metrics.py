@@ -188,3 +188,16 @@ def test_status_runtime_prints_the_totals_the_scrape_shows(engine_dir, monkeypat
     out = capsys.readouterr().out
     assert "recv-barrier: ACTIVE (applied, known_shape)" in out
     assert "vllm:hotfix_concurrent_loads_held = 5" in out
+
+
+def test_status_runtime_names_the_missing_half_of_a_degraded_fix(engine_dir, monkeypatch, capsys):
+    """A partial rollout (Ray workers started without the hotfix) leaves no record of the
+    workers: the EngineCore's record is where an operator reads which half is missing."""
+    core = json.loads((engine_dir / f"{os.getpid()}.json").read_text())
+    core["fixes"]["recv-barrier"] = {"state": "degraded", "reason": "worker half missing: 0 of 2 worker ranks"}
+    write_records(engine_dir, core)
+    monkeypatch.setenv("HOTFIX_STATUS_DIR", str(engine_dir))
+    assert cli.main(["status", "--runtime"]) == 0
+    out = capsys.readouterr().out
+    assert "    recv-barrier degraded: worker half missing: 0 of 2 worker ranks" in out
+    assert "xfer-guard applied:" not in out

@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotfix.worlds.engine_world import LOAD_MARKER, RACE, SLOW_STEPS, _kill_group, connectors_dir, multi_connector_config
+from hotfix.worlds.engine_world import LOAD_MARKER, RACE, SLOW_STEPS, end_process_group, connectors_dir, multi_connector_config
 from hotfix.worlds.home import clean_env, hotfix_home
 from hotfix.worlds.pd_world import free_port
 from hotfix.worlds.tiny_model import served_llama_dir
@@ -117,7 +117,7 @@ class ApiServer:
         return "\n".join(self.log().splitlines()[-lines:])
 
     def stop(self) -> None:
-        _kill_group(self.process)
+        end_process_group(self.process)
 
 
 def start(root: Path, name: str, *, hotfix: bool = True, api_server_count: int = 1,

@@ -248,7 +248,7 @@ def run_engine(variant: str, requests=RACE, *, slow_steps: int = SLOW_STEPS,
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            _kill_group(proc)
+            end_process_group(proc)
     wall = time.monotonic() - started
 
     result = json.loads(result_file.read_text()) if result_file.exists() else {}
@@ -363,8 +363,9 @@ def _python_path(variant: str, work: Path) -> list[Path]:
     raise ValueError(f"unknown variant {variant!r}")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the driver's whole session: EngineCore and the worker may outlive the driver.
+def end_process_group(proc: subprocess.Popen) -> None:
+    """End ``proc``'s whole session (it was started in one of its own): EngineCore and workers
+    may outlive the driver, Ray's raylet and workers the head.
 
     The multiprocessing resource tracker goes last and on its own: it unlinks the shared
     memory vLLM leaves behind once every process using it is gone (it ignores SIGTERM;

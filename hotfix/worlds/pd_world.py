@@ -211,6 +211,12 @@ def orphaned_cpu_shm(min_age_s: float = 0.0) -> list[str]:
     candidates = [p for p in candidates if _age(p, now) >= min_age_s]
     if not candidates:
         return []
+    mapped = mapped_shm()
+    return [str(p) for p in candidates if str(p) not in mapped]
+
+
+def mapped_shm() -> set[str]:
+    """The ``/dev/shm`` paths some live process maps."""
     mapped: set[str] = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -219,7 +225,7 @@ def orphaned_cpu_shm(min_age_s: float = 0.0) -> list[str]:
                               Path("/proc", entry, "maps").read_text().splitlines() if "/dev/shm/" in line)
             except OSError:
                 continue
-    return [str(p) for p in candidates if str(p) not in mapped]
+    return mapped
 
 
 def remove_orphaned_cpu_shm(min_age_s: float = 0.0) -> None:
