@@ -62,9 +62,9 @@ NIXL=${HOTFIX_LEG_NIXL:-$([ "$KIND" = cpu ] && echo 1 || echo 0)}
 LMCACHE=${HOTFIX_LEG_LMCACHE:-$NIXL}
 LMCACHE_RELEASES="0.5.4 0.5.6"
 RAY=${HOTFIX_LEG_RAY:-$NIXL}
-# The release vLLM 0.27.1's requirements/test/cpu.txt pins: .ci/vllm-unit.sh then finds it in
-# place (a plan that moves a distribution the venv holds is refused there).
-RAY_SPEC="ray==2.48.0"
+# The releases vLLM 0.27.1's requirements/test/cpu.txt pins (ray and its msgpack): .ci/vllm-unit.sh
+# then finds them in place (a plan that moves a distribution the venv holds is refused there).
+RAY_SPECS=("ray==2.48.0" "msgpack==1.1.0")
 OUT=${HOTFIX_LEG_OUT:-.ci-out}
 mkdir -p "$OUT"
 
@@ -144,7 +144,7 @@ PYEOF
     pip_ --no-deps nixl==1.5.1 nixl-cu12==1.5.1
   fi
   if [ "$RAY" = 1 ]; then
-    pip_ "$RAY_SPEC"
+    pip_ "${RAY_SPECS[@]}"
   fi
   if [ "$LMCACHE" = 1 ]; then
     # The real LMCache (tests/test_lmcache_metadata.py): 0.5.4 loads when MultiConnector did

@@ -87,7 +87,9 @@ done
 "$PY" -m pip freeze --all >"$WORK/freeze-before.txt"
 "$PY" -m pip install --quiet --dry-run --report "$WORK/plan.json" "${SPECS[@]}" \
   2> >(grep -v "^WARNING: Location 'file:" >&2)
-mapfile -t INSTALLED < <("$PY" - "$WORK/plan.json" "$WORK/freeze-before.txt" <<'PYEOF'
+# (into a file, not through `< <(...)`: a refusal must stop the leg, and a process
+# substitution's exit status is lost)
+"$PY" - "$WORK/plan.json" "$WORK/freeze-before.txt" >"$WORK/adds.txt" <<'PYEOF'
 # Refuse a plan that would move a distribution the venv already has; print what it adds.
 import json, re, sys
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
@@ -106,7 +108,7 @@ for item in json.load(open(sys.argv[1]))["install"]:
 if moved:
     raise SystemExit("the test deps would move what the venv holds: " + ", ".join(moved))
 PYEOF
-)
+mapfile -t INSTALLED <"$WORK/adds.txt"
 echo "   test deps: ${SPECS[*]} (adds ${INSTALLED[*]:-nothing})"
 if [ "${#INSTALLED[@]}" -gt 0 ]; then
   "$PY" -m pip install --quiet "${SPECS[@]}" 2> >(grep -v "^WARNING: Location 'file:" >&2)
