@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -90,3 +91,36 @@ def hotfix_home(dest: Path, shim: bool = True) -> Path:
     shutil.copytree(DEPLOYED_FROM / "hotfix", dest / "hotfix", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__"))
     return dest
+
+
+class SessionServer:
+    """A server a world starts in a session of its own (so it can be ended with everything it
+    started), logging to ``log_path``. Subclasses say when it is ready and how it stops; a
+    start that does not become ready stops it before the error goes up."""
+
+    log_path: Path
+    env: dict
+    process: subprocess.Popen | None = None
+
+    def _launch(self, command: list[str]) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])

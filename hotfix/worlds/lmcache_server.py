@@ -32,6 +32,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from hotfix.worlds.home import SessionServer
+
 LMCACHE_ROOT = Path(sys.prefix) / "lmcache"
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
@@ -56,7 +58,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class LMCacheServer:
+class LMCacheServer(SessionServer):
     """``with LMCacheServer(release, log_path, env) as server:`` — ``server.connector_config()``
     is the ``kv_connector_extra_config`` of an ``LMCacheMPConnector`` that talks to it."""
 
@@ -91,18 +93,8 @@ class LMCacheServer:
                    "--chunk-size", "256", "--disable-metrics"]
         if self.transfer_mode == "engine_driven":
             command += ["--supported-transfer-mode", "engine_driven", "--shm-name", f"lmcache_world_{self.port}"]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+        self._launch(command)
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def healthy(self) -> bool:
         url = f"http://127.0.0.1:{self.http_port}/healthcheck"
@@ -112,7 +104,7 @@ class LMCacheServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def _wait_healthy(self) -> None:
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.healthy():
             if self.process.poll() is not None:
@@ -121,10 +113,6 @@ class LMCacheServer:
                 raise LMCacheServerFailure(f"lmcache server not healthy after {START_TIMEOUT_S:.0f} s:\n"
                                            f"{self.log_tail()}")
             time.sleep(0.5)
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
 
     def leftovers(self) -> list[Path]:
         """LMCache's entries in /dev/shm that were not there before the server started."""

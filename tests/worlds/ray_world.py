@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from hotfix.worlds.engine_world import end_process_group
+from hotfix.worlds.home import SessionServer
 from hotfix.worlds.pd_world import mapped_shm
 
 PLATFORM_MODULE = "hotfix_test_cpu_ray_platform"
@@ -59,7 +60,7 @@ def ray_available() -> bool:
     return shutil.which("ray", path=str(Path(sys.executable).parent)) is not None
 
 
-class RayCluster:
+class RayCluster(SessionServer):
     """A one-node Ray cluster whose workers start with ``env``; ``address`` once entered."""
 
     def __init__(self, env: dict, log_path: Path, gpus: int = 2):
@@ -77,21 +78,11 @@ class RayCluster:
                    "--node-ip-address", "127.0.0.1", "--port", str(port),
                    "--num-cpus", "4", "--num-gpus", str(self.gpus), "--include-dashboard", "false",
                    "--disable-usage-stats", "--temp-dir", self._temp_dir]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
         self.address = f"127.0.0.1:{port}"
-        try:
-            self._wait_up()
-        except BaseException:
-            self.stop()
-            raise
+        self._launch(command)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _wait_up(self) -> None:
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -100,10 +91,6 @@ class RayCluster:
                 return
             time.sleep(0.5)
         raise RuntimeError(f"ray start not up after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
         """End the head and everything it started (GCS, raylet, workers: one session; their
