@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, install_home, marked_by_selected_tests
-from hotfix import metrics, status
+from hotfix import status
 from hotfix.fixes.lease_guard import DEADLINE_KEY
 from hotfix.worlds.pd_world import (
     BLOCK_SIZE,
@@ -49,6 +49,7 @@ from hotfix.worlds.pd_world import (
     transfer_then_abort,
     warm_up,
 )
+from tests.worlds.pins import pins_once_all_back
 
 MAX_TOKENS = 8
 # The cache child reports one step after its RETRIEVE; R then needs MAX_TOKENS + 1 steps to
@@ -217,16 +218,7 @@ def test_pull_pin_keeps_the_late_reads_blocks_from_the_next_request(pd):
     assert pd.pin.alive()
     events = racy_request_steps(pd.pin)
     assert events["cache_reported"] < events["read_started"] <= events["nixl_reported"]
-    # what /metrics sums from the records: every pinned block back, none pinned now; the
-    # records are a flush interval behind, more when the worker is busy on a slow machine
-    deadline = time.monotonic() + 20
-    while True:
-        (engine,) = metrics.engine_views(status.read_all(str(pd.pin_status)))
-        series = metrics.engine_summary(engine)["series"]
-        if series["vllm:hotfix_blocks_released"] == series["vllm:hotfix_blocks_pinned"] > 0 \
-                or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    engine, series = pins_once_all_back(pd.pin_status)  # what /metrics sums from the records
     assert series["vllm:hotfix_blocks_released"] == series["vllm:hotfix_blocks_pinned"] > 0, series
     assert series["vllm:hotfix_blocks_pinned_now"] == 0 and engine.engine == "0", series
     engine_core = [json.loads(p.read_text()) for p in pd.pin_status.glob("*.json")]

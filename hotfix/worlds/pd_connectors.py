@@ -12,7 +12,9 @@ step, forward or not).
   completion report and ``request_finished`` are vLLM's), except that the worker hands a
   pull to NIXL ``read_delay_steps`` steps after the metadata asked for it, and not before
   ``read_delay_s`` seconds have passed (a step count orders it against this module's cache
-  double; against a real second connector, whose retrieve takes real time, only seconds do).
+  double; against a real second connector, whose retrieve takes real time, only seconds do);
+  at TP>1 a rank named in ``read_lag_steps_by_rank`` starts it that many steps later still
+  (a slower rank, whichever delay dominates).
   That stands in for a GB-scale pull over TCP on a model whose KV is a few KiB: test-only,
   no vLLM file changes, and the hotfix still sees the pull at bind time (``reqs_to_recv``)
   as it would.
@@ -101,10 +103,12 @@ class DelayedReadNixlConnector(NixlPullConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         drop_hotfix_if_asked(_extra(vllm_config), role == KVConnectorRole.SCHEDULER)
         self._read_delay_steps = int(_extra(vllm_config).get("read_delay_steps", 0))
-        self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0  # named in the log lines
+        self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        self._read_lag_steps = int((_extra(vllm_config).get("read_lag_steps_by_rank") or {}).get(str(self._rank), 0))
         self._read_delay_s = float(_extra(vllm_config).get("read_delay_s", 0.0))
         self._step = 0
-        self._held: dict[str, tuple[int, float, object]] = {}  # req_id -> (step, time it is due, ReqMeta)
+        # req_id -> (step, time it is due, this rank's lag still to come, ReqMeta)
+        self._held: dict[str, tuple[int, float, int, object]] = {}
         # scheduler side, since the last metadata: req_id -> blocks allocated; finished req_ids
         self._allocated: dict[str, list[int]] = {}
         self._finished: list[tuple[str, float]] = []
@@ -133,11 +137,18 @@ class DelayedReadNixlConnector(NixlPullConnector):
             logger.info("pd_world: %s allocated blocks %s at step %d (t=%.3f)", req_id, block_ids,
                         self._step, now)
         for req_id, meta in metadata.reqs_to_recv.items():
-            self._held[req_id] = (self._step + self._read_delay_steps, now + self._read_delay_s, meta)
-            logger.info("pd_world: NIXL pull of %s asked at step %d, READ due at step %d and after %.1f s",
-                        req_id, self._step, self._step + self._read_delay_steps, self._read_delay_s)
-        due = {req_id: meta for req_id, (step, at, meta) in self._held.items()
-               if step <= self._step and at <= now}
+            self._held[req_id] = (self._step + self._read_delay_steps, now + self._read_delay_s,
+                                  self._read_lag_steps, meta)
+            logger.info("pd_world: NIXL pull of %s asked at step %d, READ due at step %d and after %.1f s, "
+                        "then %d steps more", req_id, self._step, self._step + self._read_delay_steps,
+                        self._read_delay_s, self._read_lag_steps)
+        due = {}
+        for req_id, (step, at, lag, meta) in list(self._held.items()):
+            if step <= self._step and at <= now:
+                if lag:
+                    self._held[req_id] = (self._step + lag, at, 0, meta)
+                else:
+                    due[req_id] = meta
         for req_id, meta in due.items():
             del self._held[req_id]
             logger.info("pd_world: NIXL READ of %s starts at step %d into blocks %s on rank %d", req_id,

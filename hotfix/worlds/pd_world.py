@@ -109,7 +109,8 @@ def decode_nixl_config() -> dict:
 
 
 def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
-                             drop_hotfix_in: str | None = None, heartbeat_lease_s: int | None = None) -> dict:
+                             drop_hotfix_in: str | None = None, heartbeat_lease_s: int | None = None,
+                             read_lag_steps_by_rank: dict | None = None, read_delay_s: float = 0.0) -> dict:
     """The bug report's decode node: MultiConnector[NIXL, LMCache-MP-like loader].
 
     NIXL's READ starts ``read_delay_steps`` engine steps late (the slow GB-scale pull); the
@@ -117,13 +118,19 @@ def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
     ``retrieve_steps`` steps (the fast CPU-memory hit). ``drop_hotfix_in="worker"`` runs the
     worker without the hotfix (``without_hotfix``). ``heartbeat_lease_s``: NIXL's
     ``kv_lease_duration`` on this decode, which sets its heartbeat interval (a sixth of it).
+    ``read_delay_s``: and no READ starts before that many seconds passed (a client's next
+    request then reaches the engine before the READ, whatever the box's speed).
+    ``read_lag_steps_by_rank={1: n}``: at TP>1, rank 1's READ starts ``n`` steps after that.
     """
     dropped = {"drop_hotfix_in": drop_hotfix_in} if drop_hotfix_in else {}
     loader = {"kv_connector": "EagerRetrieveConnector", "kv_connector_module_path": CONNECTORS_MODULE,
               "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps,
                                                                   **dropped}}
     lease = {"kv_lease_duration": heartbeat_lease_s} if heartbeat_lease_s else {}
-    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped, **lease}),
+    by_rank = ({"read_lag_steps_by_rank": {str(r): n for r, n in read_lag_steps_by_rank.items()}}
+               if read_lag_steps_by_rank else {})
+    return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped, **lease,
+                                                  **by_rank, "read_delay_s": read_delay_s}),
                                    loader)
 
 
@@ -292,6 +299,20 @@ class Engine:
         if "error" in reply:
             raise EngineFailure(self, reply["error"], reply["message"])
         return reply["request_id"]
+
+    def abort_when_logged(self, request: Request, needle: str, then: Request,
+                          timeout: float = REQUEST_TIMEOUT_S) -> tuple[str, list[int]]:
+        """Add ``request``, abort it as a client does once this engine's log holds ``needle``
+        formatted with its id (``{request_id}``), whether or not it has produced a token (a
+        client that leaves while D still waits for its KV), and add ``then`` right behind the
+        abort (the next client, in the engine's next step, not a round trip later). Returns
+        the aborted request's id and ``then``'s tokens."""
+        self.conn.send({"op": "abort_when_logged", "request": vars(request), "needle": needle,
+                        "then": vars(then), "log": str(self.log_path), "timeout": timeout})
+        reply = self._receive(timeout + 30, "abort_when_logged")
+        if "error" in reply:
+            raise EngineFailure(self, reply["error"], reply["message"])
+        return reply["request_id"], reply["then"]
 
     def reset_prefix_cache(self, timeout: float = REQUEST_TIMEOUT_S) -> bool:
         """vLLM's ``LLM.reset_prefix_cache()``: False while any block is still held."""
@@ -574,6 +595,17 @@ def timeline(log: str) -> dict[str, dict[str, int]]:
     return events
 
 
+_NIXL_REPORT_ON_RANK = re.compile(r"pd_world: NIXL reports (\S+) received at step (\d+) \(t=[\d.]+\) on rank (\d+)")
+
+
+def nixl_reports_by_rank(log: str) -> dict[str, dict[int, int]]:
+    """The worker step each rank's NIXL reported each request in (the first report per rank)."""
+    reports: dict[str, dict[int, int]] = {}
+    for req_id, step, rank in _NIXL_REPORT_ON_RANK.findall(log):
+        reports.setdefault(req_id, {}).setdefault(int(rank), int(step))
+    return reports
+
+
 def seconds(log: str) -> dict[str, dict[str, float]]:
     """:func:`timeline`'s allocation, finish and NIXL report, in the worker's seconds."""
     events: dict[str, dict[str, float]] = {}
@@ -633,6 +665,9 @@ def _drive(fd: int, config_path: str) -> None:
             if command["op"] == "abort_after":
                 conn.send({"request_id": _abort_after(llm, command["request"], command["tokens"])})
                 continue
+            if command["op"] == "abort_when_logged":
+                conn.send(_abort_when_logged(llm, command))
+                continue
             requests = command["requests"]
             outputs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests],
                                    [_sampling_params(r) for r in requests], use_tqdm=False)
@@ -664,6 +699,30 @@ def _abort_after(llm, request: dict, tokens: int) -> str:
             if len(out.outputs[0].token_ids) >= tokens:
                 engine.abort_request([req_id], internal=True)
     return req_id
+
+
+def _abort_when_logged(llm, command: dict) -> dict:
+    """Add the request, wait (the EngineCore steps on its own) until the log holds the needle
+    for it, abort it, add the next request at once, and step until that one finished."""
+    engine = llm.llm_engine
+    req_id = engine.add_request("pd-world-aborted", {"prompt_token_ids": command["request"]["prompt"]},
+                                _sampling_params(command["request"]))
+    needle, deadline, seen = command["needle"].format(request_id=req_id), time.monotonic() + command["timeout"], ""
+    with open(command["log"], errors="replace") as log:
+        while needle not in seen:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {needle!r} in the log within {command['timeout']} s")
+            seen = seen[-len(needle):] + log.read()
+            time.sleep(0.01)
+    engine.abort_request([req_id], internal=True)
+    engine.add_request("pd-world-next", {"prompt_token_ids": command["then"]["prompt"]},
+                       _sampling_params(command["then"]))
+    then: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # outputs carry the client's id; the aborted one has none
+            if out.finished and out.request_id.startswith("pd-world-next"):
+                then = list(out.outputs[0].token_ids)
+    return {"request_id": req_id, "then": then}
 
 
 if __name__ == "__main__":
