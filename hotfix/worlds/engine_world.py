@@ -381,6 +381,13 @@ def end_process_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def crash_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of ``proc``'s session at once (a node failure), then reap them;
+    the resource tracker outlives them long enough to unlink vLLM's shared memory."""
+    _signal(_live_members(proc.pid, tracker=False), signal.SIGKILL)
+    end_process_group(proc)
+
+
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

@@ -54,17 +54,30 @@ def _build(dest: Path) -> None:
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(dest)
 
 
+SPECIAL_WORDS = ("<unk>", "<s>", "</s>")  # ids 0-2; no other word starts with one of them
+
+
+def word(token_id: int) -> str:
+    """The served tokenizer's word for ``token_id``."""
+    return SPECIAL_WORDS[token_id] if token_id < len(SPECIAL_WORDS) else f"w{token_id}"
+
+
 def served_llama_dir() -> Path:
-    """The same checkpoint with a WordLevel tokenizer (``w0`` ... ``w255``), for the API server."""
-    return _built_once("served-llama", lambda dest: (_build(dest), _save_tokenizer(dest)))
+    """The same checkpoint with a WordLevel tokenizer (``<unk> <s> </s> w3`` ... ``w255``), for
+    the API server."""
+    return _built_once("served-llama", lambda dest: (_build(dest), save_word_tokenizer(dest)))
 
 
-def _save_tokenizer(dest: Path) -> None:
+def save_word_tokenizer(dest: Path) -> None:
+    """A WordLevel tokenizer, one word per token id. The special tokens are matched in raw
+    text before anything else, so none may be a prefix of another word (``w1`` would split
+    ``w17`` into ``w1`` + ``7``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = {f"w{i}": i for i in range(VOCAB_SIZE)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
+    words = {word(i): i for i in range(VOCAB_SIZE)}
+    unk, bos, eos = SPECIAL_WORDS
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token=unk))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", bos_token="w1",
-                            eos_token="w2").save_pretrained(dest)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=unk, bos_token=bos,
+                            eos_token=eos).save_pretrained(dest)
