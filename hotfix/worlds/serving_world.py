@@ -45,6 +45,7 @@ from hotfix.worlds.pd_world import (
     decode_bug_report_lmcache_config,
     decode_nixl_config,
     free_port,
+    mapped_shm,
     prefill_config,
     remove_orphaned_cpu_shm,
 )
@@ -120,6 +121,15 @@ class Server:
     def crash(self) -> None:
         """SIGKILL the whole tree at once, as a node failure does."""
         crash_process_group(self.process)
+
+
+def remove_unmapped_psm() -> None:
+    """Unlink vLLM's ``/dev/shm/psm_*`` segments (160-250 MiB each) no live process maps:
+    those of a crashed server. Call it while no server of the world is starting."""
+    mapped = mapped_shm()
+    for path in Path("/dev/shm").glob("psm_*"):
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
 
 
 def model_dir(dest: Path) -> Path:
@@ -495,8 +505,9 @@ class ServingWorld:
     D is NIXL only. ``hotfix_home`` goes on every server's PYTHONPATH (None: stock)."""
 
     def __init__(self, root: Path, *, racy: bool, hotfix_home: Path | None, lmcache: Path | None = None,
-                 label: str = "") -> None:
+                 label: str = "", env: dict | None = None) -> None:
         self.root, self.racy, self.hotfix_home, self.lmcache = root, racy, hotfix_home, lmcache
+        self.env = env or {}  # for every server (a fix's toggle)
         self.label = label or ("racy" if racy else "healthy") + ("-hotfix" if hotfix_home else "-stock")
         self.work = root / self.label
         self.model = model_dir(root / "model") if not (root / "model" / "chat_template.jinja").exists() else root / "model"
@@ -514,7 +525,7 @@ class ServingWorld:
 
     def _launch_prefill(self) -> Server:
         return launch(self.work, "prefill", self.model, self._prefill_config(), modules=self.modules,
-                      hotfix_home=self.hotfix_home)
+                      hotfix_home=self.hotfix_home, env=self.env)
 
     def __enter__(self) -> "ServingWorld":
         try:
@@ -530,7 +541,7 @@ class ServingWorld:
                 config = decode_nixl_config()
             self.prefill = self._launch_prefill()
             self.decode = launch(self.work, "decode", self.model, config, modules=self.modules,
-                                 hotfix_home=self.hotfix_home, extra_path=extra)
+                                 hotfix_home=self.hotfix_home, extra_path=extra, env=self.env)
             for server in (self.prefill, self.decode):
                 server.wait_ready()
             self.router = Router(self.prefill.url(), self.decode.url()).__enter__()
@@ -579,6 +590,7 @@ class ServingWorld:
         self.crashed_at.append(time.monotonic())
         self.prefill.crash()
         self.prefill_kills += 1
+        remove_unmapped_psm()  # a crashed tree's tracker does not always unlink vLLM's segments
 
         def restart() -> None:
             self.prefill = self._launch_prefill()
@@ -597,6 +609,7 @@ class ServingWorld:
     def play(self, plan: Plan, drain_timeout_s: float = PREFILL_LEASE_S + 60.0) -> RunReport:
         import aiohttp
 
+        kills_before, crashes_before = self.prefill_kills, len(self.crashed_at)
         kill_tag = f"{plan.prefill_kill[0]}/{plan.prefill_kill[1]}" if plan.prefill_kill else None
         planned_aborts_done = threading.Event()
         if not plan.aborts:
@@ -620,7 +633,7 @@ class ServingWorld:
             async with aiohttp.ClientSession(timeout=timeout) as client:
                 await asyncio.gather(*(play_session(client, self.router, plan, s, turns, on_turn)
                                        for s in range(plan.sessions)))
-                if self.prefill_kills:
+                if self.prefill_kills > kills_before:
                     await asyncio.get_running_loop().run_in_executor(None, self._restarted)
                     await asyncio.gather(*(play_session(client, self.router, plan, s, turns) for s in
                                            range(plan.sessions, plan.sessions + plan.sessions_after_restart)))
@@ -635,8 +648,8 @@ class ServingWorld:
         leaked, undrained = self._drained(drain_timeout_s) if not deaths else (0, 0)
         mismatched = self._mismatched(turns) if self.prefill.healthy() else -1
         return RunReport(self.label, sorted(turns, key=lambda t: (t.session, t.turn)), len(deaths), deaths,
-                         mismatched, leaked, undrained, sum(t.aborted for t in turns), self.prefill_kills,
-                         seconds, list(self.crashed_at))
+                         mismatched, leaked, undrained, sum(t.aborted for t in turns),
+                         self.prefill_kills - kills_before, seconds, self.crashed_at[crashes_before:])
 
     async def _next_clients(self, client, seconds: float) -> None:
         """Short requests computed on D for ``seconds``: D keeps stepping, as under continuous
