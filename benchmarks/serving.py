@@ -32,7 +32,7 @@ from hotfix import metrics, status
 from hotfix.worlds.home import hotfix_home
 from hotfix.worlds.lmcache_server import release_dir
 from hotfix.worlds.pd_world import seconds, timeline
-from hotfix.worlds.serving_world import Plan, RunReport, ServingWorld
+from hotfix.worlds.serving_world import Plan, RunReport, ServingWorld, quantile
 
 
 def one_round(sessions: int, seed: int) -> Plan:
@@ -79,12 +79,8 @@ def reads_past_the_request(log: str) -> dict:
             for r in steps if {"finished", "nixl_reported"} <= steps[r].keys()
             and steps[r]["finished"] <= steps[r]["nixl_reported"]]
     by_steps, by_ms = sorted(h[0] for h in held), sorted(h[1] for h in held)
-
-    def q(values, p):
-        return round(values[min(len(values) - 1, int(p * len(values)))], 1) if values else None
-
-    return {"requests": len(held), "steps_p50": q(by_steps, 0.5), "steps_p99": q(by_steps, 0.99),
-            "ms_p50": q(by_ms, 0.5), "ms_p99": q(by_ms, 0.99)}
+    return {"requests": len(held), "steps_p50": quantile(by_steps, 0.5), "steps_p99": quantile(by_steps, 0.99),
+            "ms_p50": quantile(by_ms, 0.5), "ms_p99": quantile(by_ms, 0.99)}
 
 
 def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy: bool, home: Path | None,

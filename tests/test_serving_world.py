@@ -9,6 +9,8 @@ process of both servers. The longer soak is ``benchmarks/serving.py``.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import install_home, require_release
@@ -29,10 +31,23 @@ def served(tmp_path_factory):
         runs["stock"] = (world.play(STOCK_PLAN), world)
     with ServingWorld(root, racy=True, hotfix_home=home, lmcache=release) as world:
         report = world.play(PLAN)
+        runs["hotfix"] = (report, world, settled_records(world))
+    return runs
+
+
+def settled_records(world: ServingWorld, timeout_s: float = 15.0) -> dict:
+    """Each live process's status record, once no gauge of ours is non-zero or the deadline
+    passed: a record is written by a timer, up to a flush interval (more on a busy box) after
+    the last release it counts."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         records = {name: [r for r in status.read_all(str(server.status_dir)) if status.pid_alive(r["pid"])]
                    for name, server in (("prefill", world.prefill), ("decode", world.decode))}
-        runs["hotfix"] = (report, world, records)
-    return runs
+        busy = any(value for found in records.values() for r in found
+                   for gauges in r["gauges"].values() for value in gauges.values())
+        if not busy or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
 
 
 def test_stock_decode_dies_or_returns_wrong_tokens_under_the_bug_reports_traffic(served):

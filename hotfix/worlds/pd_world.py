@@ -235,6 +235,16 @@ def mapped_shm() -> set[str]:
     return mapped
 
 
+def remove_unmapped_psm(spare: set | frozenset = frozenset()) -> None:
+    """Unlink vLLM's ``/dev/shm/psm_*`` segments (160-250 MiB each) that no live process maps
+    and that are not in ``spare``: those of a killed tree whose resource tracker did not
+    unlink them. Call it while none of the world's engines is starting."""
+    mapped = mapped_shm()
+    for path in Path("/dev/shm").glob("psm_*"):
+        if str(path) not in mapped and path not in spare:
+            path.unlink(missing_ok=True)
+
+
 def remove_orphaned_cpu_shm(min_age_s: float = 0.0) -> None:
     """Unlink :func:`orphaned_cpu_shm`. Call it when none of the world's engines is starting:
     rank 0 creates a segment that the other ranks open by name a moment later."""

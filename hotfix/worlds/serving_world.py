@@ -45,9 +45,9 @@ from hotfix.worlds.pd_world import (
     decode_bug_report_lmcache_config,
     decode_nixl_config,
     free_port,
-    mapped_shm,
     prefill_config,
     remove_orphaned_cpu_shm,
+    remove_unmapped_psm,
 )
 from hotfix.worlds.tiny_model import save_word_tokenizer, word
 
@@ -121,15 +121,6 @@ class Server:
     def crash(self) -> None:
         """SIGKILL the whole tree at once, as a node failure does."""
         crash_process_group(self.process)
-
-
-def remove_unmapped_psm() -> None:
-    """Unlink vLLM's ``/dev/shm/psm_*`` segments (160-250 MiB each) no live process maps:
-    those of a crashed server. Call it while no server of the world is starting."""
-    mapped = mapped_shm()
-    for path in Path("/dev/shm").glob("psm_*"):
-        if str(path) not in mapped:
-            path.unlink(missing_ok=True)
 
 
 def model_dir(dest: Path) -> Path:
@@ -490,11 +481,11 @@ class RunReport:
                 "aborts": self.aborts, "prefill_kills": self.prefill_kills, "seconds": round(self.seconds, 2),
                 "requests_per_s": round(self.requests / self.seconds, 3) if self.seconds else 0.0,
                 "mean_request_s": round(sum(done) / len(done), 4) if done else None,
-                "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p99_s": _quantile(ttft, 0.99),
-                "itl_p50_s": _quantile(itl, 0.5), "itl_p99_s": _quantile(itl, 0.99)}
+                "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
+                "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99)}
 
 
-def _quantile(values: list[float], q: float) -> float | None:
+def quantile(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * len(values)))], 4) if values else None
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hotfix.worlds.engine_world import end_process_group
 from hotfix.worlds.home import SessionServer
-from hotfix.worlds.pd_world import mapped_shm
+from hotfix.worlds.pd_world import remove_unmapped_psm
 
 PLATFORM_MODULE = "hotfix_test_cpu_ray_platform"
 _PLATFORM = '''"""Test double: vLLM's CPU platform, placed by Ray on "GPU" units (see tests/worlds/ray_world.py)."""
@@ -101,10 +101,7 @@ class RayCluster(SessionServer):
             # Ray kills its workers (and the children it finds, their resource trackers too)
             # before they can unlink their message queues' segments: what appeared while the
             # cluster ran and no process maps any more goes here.
-            mapped = mapped_shm()
-            for path in set(SHM.glob("psm_*")) - self._shm_before:
-                if str(path) not in mapped:
-                    path.unlink(missing_ok=True)
+            remove_unmapped_psm(spare=self._shm_before)
         if self._temp_dir:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
