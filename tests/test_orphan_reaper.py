@@ -53,3 +53,51 @@ def test_an_engine_whose_run_was_killed_is_reaped_and_one_of_a_live_run_is_not()
         for proc in (owner, live):
             proc.kill()
             proc.wait(10)
+
+
+# A world's API server (a session leader) whose EngineCore outlives it: vLLM's setproctitle
+# overwrites the EngineCore's /proc environ, so only its session and the marked resource
+# tracker beside it say whose it is. The leader starts both, prints their pids and exits.
+LEADER = (
+    "import os, subprocess, sys\n"
+    "from hotfix.worlds.home import OWNER_VAR\n"
+    "sleep = [sys.executable, '-c', 'import time; time.sleep(120)']\n"
+    "tracker = subprocess.Popen(sleep)\n"
+    "renamed = subprocess.Popen(sleep, env={k: v for k, v in os.environ.items() if k != OWNER_VAR})\n"
+    "print(tracker.pid, renamed.pid, flush=True)\n"
+    "os._exit(0)\n"
+)
+SERVER_OWNER = (
+    "import os, subprocess, sys, time\n"
+    "from hotfix.worlds.home import clean_env\n"
+    "env = dict(clean_env(), PYTHONPATH=os.environ['PYTHONPATH'])\n"
+    f"leader = subprocess.Popen([sys.executable, '-c', {LEADER!r}], env=env, start_new_session=True,\n"
+    "                          stdout=subprocess.PIPE, text=True)\n"
+    "print(leader.stdout.readline().strip(), flush=True)\n"
+    "leader.wait()\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_an_engine_whose_environ_was_renamed_away_is_reaped_by_its_dead_servers_session():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    owner = subprocess.Popen([sys.executable, "-c", SERVER_OWNER], env=env, stdout=subprocess.PIPE, text=True)
+    tracker = renamed = None
+    try:
+        tracker, renamed = (int(pid) for pid in owner.stdout.readline().split())
+        assert OWNER_VAR.encode() not in open(f"/proc/{renamed}/environ", "rb").read()
+        assert reap_orphans() == [], "the owner still runs: nothing is an orphan yet"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+
+        assert {tracker, renamed} <= set(reap_orphans())
+        deadline = time.monotonic() + 10
+        while (alive(tracker) or alive(renamed)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(tracker) and not alive(renamed)
+    finally:
+        owner.kill()
+        owner.wait(10)
+        for pid in (tracker, renamed):
+            if pid and alive(pid):
+                os.kill(pid, signal.SIGKILL)

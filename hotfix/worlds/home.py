@@ -49,21 +49,30 @@ def reap_orphans(tracker_grace_s: float = 10.0) -> list[int]:
 
 
 def _orphans() -> list[tuple[int, bytes]]:
-    """(pid, command line) of each process whose world owner is gone."""
+    """(pid, command line) of each process whose world owner is gone, and of every process in
+    the session of such a process once its session leader is gone too: vLLM renames its
+    EngineCore and workers (setproctitle), which overwrites their /proc environ, so after their
+    API server died only the session (the world starts each server in one of its own) and a
+    marked sibling (multiprocessing's resource tracker) still say whose they are."""
     needle = f"{OWNER_VAR}=".encode()
-    found = []
+    processes, marked = [], []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             environ = (entry / "environ").read_bytes().split(b"\0")
             cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
+            session = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError):
             continue
+        processes.append((int(entry.name), cmdline, session))
         owner = next((v[len(needle):] for v in environ if v.startswith(needle)), b"")
         if owner.isdigit() and not pid_alive(int(owner)):
-            found.append((int(entry.name), cmdline))
-    return found
+            marked.append(int(entry.name))
+    ours = os.getsid(0)
+    leaderless = {session for pid, _, session in processes
+                  if pid in marked and session != ours and not pid_alive(session)}
+    return [(pid, cmdline) for pid, cmdline, session in processes if pid in marked or session in leaderless]
 
 
 def _kill(pids: list[int]) -> list[int]:
