@@ -35,8 +35,13 @@ from hotfix.worlds.lmcache_server import LMCacheServer
 CHUNK = 256  # the server's --chunk-size: LMCache stores and retrieves whole chunks
 R_PROMPT = tuple(10 + (7 * i) % 240 for i in range(CHUNK + 44))
 STORE = (Req("R", R_PROMPT, max_tokens=8),)
-RACE = (Req("R", R_PROMPT, max_tokens=8, remote=True), Req("P", tuple(range(100, 140)), max_tokens=64))
-SLOW_STEPS = 24  # LMCache's retrieve (wall clock) must report first also where steps are fast; P keeps stepping past it
+# P keeps the engine stepping well past SlowLoader's report (its 400 steps take 2 s or more):
+# a report is heard only at a step.
+RACE = (Req("R", R_PROMPT, max_tokens=8, remote=True), Req("P", tuple(range(100, 140)), max_tokens=400))
+SLOW_STEPS = 24  # LMCache's retrieve (wall clock) must report first also where steps are fast
+# ... and not within 1 s: in a CI run the 24 steps outran the retrieve (LMCache logged
+# "Retrieved" as phase 2 ended: no early promotion, stock survived)
+SLOW_S = 1.0
 DEATHS = ("assert req_id in self.requests", "assert RequestStatus.is_finished(req.status)")
 
 
@@ -44,7 +49,7 @@ def run_with_lmcache(version: str, variant: str, tmp_path) -> tuple[EngineRun, s
     release = require_release(version)
     log = tmp_path / f"lmcache-{version}-{variant}.log"
     with LMCacheServer(release, log, clean_env()) as server:
-        config = slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config())
+        config = slow_loader_beside_lmcache_config(SLOW_STEPS, CHUNK, server.connector_config(), SLOW_S)
         # LMCache stores asynchronously: phase 2 waits for the server's word that phase 1's chunk
         # landed, or R's lookup may miss it (seen here: no hit, no retrieve, no race)
         stored = Gate(str(log), f"Stored {CHUNK} tokens")

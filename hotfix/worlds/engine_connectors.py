@@ -13,7 +13,10 @@ The pair models the bug report's decode node (``vllm-targets.md`` §0.2):
 * ``SlowLoader`` — listed first, NIXL-like: claims the whole prompt as an async external
   hit for a request whose ``kv_transfer_params`` carry the ``remote_marker``, so MultiConnector
   chooses it; its metadata has NIXL's shape (``reqs_to_recv[req].local_block_ids``); the
-  worker reports the load ``load_steps`` steps after starting it.
+  worker reports the load ``load_steps`` steps after starting it, and not before
+  ``load_s`` seconds have passed (default 0: a real pull takes seconds whatever the step
+  rate; against a real second connector, whose retrieve takes real time, only seconds order
+  the two reports).
 * ``FastLoader`` — LMCache-MP-like with the <= 0.5.4 bug: it also sees a hit, is given
   ``num_external_tokens=0`` by MultiConnector, retrieves anyway (metadata ``.requests`` of
   ops with ``.request_id`` and ``.direction == "RETRIEVE"``, the shape the hotfix
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -74,6 +78,7 @@ class _Child(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.load_steps = int(extra.get("load_steps", self.default_load_steps))
+        self.load_s = float(extra.get("load_s", 0.0))
         self.rank = _tp_rank() if role == KVConnectorRole.WORKER else None
         by_rank = extra.get("load_steps_by_rank") or {}
         if self.rank is not None and str(self.rank) in by_rank:
@@ -85,6 +90,7 @@ class _Child(KVConnectorBase_V1, SupportsHMA):
         self.remote_marker = extra["remote_marker"]
         self._served: set[str] = set()  # scheduler: requests whose hit was acted on
         self._steps_left: dict[str, int] = {}  # worker: loads in flight
+        self._not_before: dict[str, float] = {}  # worker: when each may report (monotonic)
         drop_hotfix_if_asked(extra, role == KVConnectorRole.SCHEDULER)
         if self.report_dir:
             _write_record(self.report_dir, type(self).__name__, role, self.rank)
@@ -113,13 +119,15 @@ class _Child(KVConnectorBase_V1, SupportsHMA):
     # Worker side.
     def _start(self, req_id: str) -> None:
         self._steps_left[req_id] = self.load_steps
+        self._not_before[req_id] = time.monotonic() + self.load_s
 
     def get_finished(self, finished_req_ids):
         done = set()
+        now = time.monotonic()
         for req_id in list(self._steps_left):
             self._steps_left[req_id] -= 1
-            if self._steps_left[req_id] <= 0:
-                del self._steps_left[req_id]
+            if self._steps_left[req_id] <= 0 and now >= self._not_before[req_id]:
+                del self._steps_left[req_id], self._not_before[req_id]
                 done.add(req_id)
         return None, (done or None)
 

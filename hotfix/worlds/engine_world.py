@@ -325,15 +325,17 @@ def multi_connector_config(slow_steps: int, fast_steps: int = 1, report_dir: str
                                                          child("FastLoader", fast_steps)]}}
 
 
-def slow_loader_beside_lmcache_config(slow_steps: int, remote_tokens: int, lmcache_extra: dict) -> dict:
+def slow_loader_beside_lmcache_config(slow_steps: int, remote_tokens: int, lmcache_extra: dict,
+                                      slow_s: float = 0.0) -> dict:
     """The bug report's decode node with the real LMCache: ``MultiConnector[SlowLoader,
     LMCacheMPConnector]``. SlowLoader (NIXL-like, listed first, so chosen) claims the first
-    ``remote_tokens`` of a marked prompt — what LMCache holds of it — and writes nothing;
+    ``remote_tokens`` of a marked prompt — what LMCache holds of it — reports its load after
+    ``slow_steps`` steps and ``slow_s`` seconds, and writes nothing;
     LMCache's own connector (``kv_both``, vLLM resolves the name to lmcache's class) stores
     every prompt and, up to lmcache 0.5.4, retrieves a hit although it was not chosen."""
     slow = {"kv_connector": "SlowLoader", "kv_role": "kv_consumer", "kv_connector_module_path": CONNECTORS_MODULE,
-            "kv_connector_extra_config": {"load_steps": slow_steps, "remote_tokens": remote_tokens,
-                                          "remote_marker": LOAD_MARKER}}
+            "kv_connector_extra_config": {"load_steps": slow_steps, "load_s": slow_s,
+                                          "remote_tokens": remote_tokens, "remote_marker": LOAD_MARKER}}
     lmcache = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": lmcache_extra}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
