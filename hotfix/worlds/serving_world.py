@@ -54,9 +54,10 @@ from hotfix.worlds.tiny_model import save_word_tokenizer, word
 START_TIMEOUT_S = 600.0
 # vLLM's EngineCore and worker wake each other through shared memory plus a ZMQ notification
 # that can be lost; a reader then re-checks the buffer only after min(5 s, this warning
-# interval). On this oversubscribed 2-core box notifications were lost often enough that a
-# healthy deployment stalled for tens of seconds (EngineCore logging "No available shared
-# memory broadcast block found in 60 seconds" while its worker sat idle): 1 s bounds that.
+# interval). On this oversubscribed 2-core box notifications were lost often enough to add
+# seconds to a round; 1 s bounds each loss, and the EngineCore then logs every second it waits
+# ("No available shared memory broadcast block found"), which the serving benchmark counts.
+# Longer waits remain in some rounds (tens of seconds, the worker not answering): README.
 RINGBUFFER_RECHECK_S = "1"
 REQUEST_TIMEOUT_S = 180.0
 READ_DELAY_S = 2.0
