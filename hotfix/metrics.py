@@ -119,7 +119,7 @@ def engine_summary(view: EngineView, specs: Optional[list] = None) -> dict:
         summary["internal_errors"][spec.id] = view.counter(spec.id, "internal_error")
         for metric in spec.metrics:
             read = view.gauge if metric.gauge else view.counter
-            per_kind = {kind: read(spec.id, kind) for kind in metric.kinds}
+            per_kind = {metric.label_value(kind): read(spec.id, kind) for kind in metric.kinds}
             summary["series"][metric.name] = per_kind if metric.by_kind else sum(per_kind.values())
     return summary
 
@@ -143,7 +143,7 @@ def families(views: List[EngineView]) -> list:
     for spec in specs:
         for metric in spec.metrics:
             declared[metric.name] = (GaugeMetricFamily if metric.gauge else CounterMetricFamily)(
-                metric.name, metric.help, labels=labels + (["kind"] if metric.by_kind else []))
+                metric.name, metric.help, labels=labels + ([metric.label] if metric.by_kind else []))
     for view in views:
         summary = engine_summary(view, specs)
         base = [view.model_name, view.engine]

@@ -55,7 +55,12 @@ class Metric:
     help: str
     kinds: Tuple[str, ...]  # the fix's status counter kinds (gauge names) that feed it
     gauge: bool = False
-    by_kind: bool = False  # one series per kind, labelled ``kind``
+    by_kind: bool = False  # one series per kind, labelled ``label``
+    label: str = "kind"
+    label_values: Tuple[str, ...] = ()  # the label's value per kind (default: the kind)
+
+    def label_value(self, kind: str) -> str:
+        return self.label_values[self.kinds.index(kind)] if self.label_values else kind
     alert: str = ""  # what an on-call alerts on with it (README's table)
 
 

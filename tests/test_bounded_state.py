@@ -22,7 +22,7 @@ REPORTS = 100_000
 CAP = 1024
 MODULES = ("hotfix.log", "hotfix.status", "hotfix.config", "hotfix.runtime", "hotfix.registry",
            "hotfix.fixes._holds", "hotfix.fixes.xfer_guard", "hotfix.fixes.recv_barrier",
-           "hotfix.fixes.pull_pin")
+           "hotfix.fixes.pull_pin", "hotfix.fixes.load_bound")
 
 
 def per_process_entries() -> dict:

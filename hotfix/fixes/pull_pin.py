@@ -30,10 +30,12 @@ import contextvars
 from typing import Dict, List
 
 from hotfix import halves, status
+from hotfix.fixes._blocks import pool_of_group
 from hotfix.fixes._nixl_answer import NixlWorkerAnswer, answer_with
 from hotfix.fixes._pin_prefix import count_common_prefix_without_pins, track  # noqa: F401
 from hotfix.halves import SchedulerHalf, WorkerHalf
 from hotfix.runtime import argument, contain, state_of
+from hotfix.fixes._scheduler_shapes import HAS_REQUESTS, UPDATE_FROM_OUTPUT
 from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
 
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
@@ -55,11 +57,9 @@ SPEC = FixSpec(
                "unpin_when_every_rank_confirmed", "engine_core",
                {"3a4a7f3be1b34144": Shape("0.27.0-0.33.0")}),
         Target(_SCHED, "Scheduler.update_from_output", "settle_halves_and_release_pins", "engine_core",
-               {"0c4d8106750d2ea2": Shape("0.27.0-0.27.1"), "3a952ef59c38a3a4": Shape("0.28.0"),
-                "8df892460283ad44": Shape("0.29.0"), "23fcfb3d9c376cee": Shape("0.30.0"),
-                "79e6face830f7fb1": Shape("0.31.0-0.32.0"), "cbfde91b6fe16ae7": Shape("0.33.0")}),
+               UPDATE_FROM_OUTPUT),
         Target(_SCHED, "Scheduler.has_requests", "keep_stepping_while_pinned", "engine_core",
-               {"c8820a96bd59eaaa": Shape("0.27.0-0.33.0")}),
+               HAS_REQUESTS),
         Target("vllm.v1.core.block_pool", "BlockPool.free_blocks", "", "engine_core",
                {"bcc09ebb07f7af42": Shape("0.27.0-0.27.1", LEAVE), "1e2af14b39d63d1b": Shape("0.28.0-0.29.0", LEAVE),
                 "10f5c8a60ecccb38": Shape("0.30.0-0.32.0", LEAVE), "56430160427df640": Shape("0.33.0", LEAVE)}),
@@ -243,17 +243,9 @@ def _release_ready(book: PinBook) -> None:
         pin = book.ready.pop()
         for group, blocks in enumerate(pin.groups):
             if blocks:
-                _pool_of_group(manager, group).free_blocks(blocks)
+                pool_of_group(manager, group).free_blocks(blocks)
         _count("released")
         _blocks_pinned_now(-sum(len(g) for g in pin.groups))
-
-
-def _pool_of_group(manager, group: int):
-    """The pool that owns a group's blocks (0.33: a HiSparse group has a pool of its own)."""
-    managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", None)
-    if managers and group < len(managers):
-        return managers[group].block_pool
-    return manager.block_pool
 
 
 def settle_halves_and_release_pins(wrapped, instance, args, kwargs):

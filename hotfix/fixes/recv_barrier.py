@@ -32,6 +32,7 @@ from typing import Set
 from hotfix import log, status
 from hotfix.halves import SchedulerHalf, WorkerHalf, merge_presence
 from hotfix.runtime import argument, contain, state_of
+from hotfix.fixes._scheduler_shapes import UPDATE_FROM_OUTPUT
 from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
 
 _MC = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
@@ -53,9 +54,7 @@ SPEC = FixSpec(
                {"c7c272e5ffa44072": Shape(_ALL)}),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output",
                "settle_the_handshake", "engine_core",
-               {"0c4d8106750d2ea2": Shape("0.27.0-0.27.1"), "3a952ef59c38a3a4": Shape("0.28.0"),
-                "8df892460283ad44": Shape("0.29.0"), "23fcfb3d9c376cee": Shape("0.30.0"),
-                "79e6face830f7fb1": Shape("0.31.0-0.32.0"), "cbfde91b6fe16ae7": Shape("0.33.0")}),
+               UPDATE_FROM_OUTPUT),
         Target(_MC, "MultiKVConnectorWorkerMetadata", "", "worker",
                {"13d58a686600df05": Shape(_ALL, action=LEAVE)}),
         Target(_MC, "MultiConnector.build_connector_worker_meta", "announce_the_worker_half",

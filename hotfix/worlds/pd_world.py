@@ -177,6 +177,7 @@ class Request:
 class Completion:
     token_ids: list[int]
     kv_transfer_params: dict | None
+    finish_reason: str | None = None
 
 
 class EngineFailure(RuntimeError):
@@ -295,11 +296,30 @@ class Engine:
         return self.start_s
 
     def generate(self, requests: list[Request], timeout: float = REQUEST_TIMEOUT_S) -> list[Completion]:
+        self.submit(requests)
+        return self.completions(timeout)
+
+    def submit(self, requests: list[Request]) -> None:
+        """Hand the engine a batch without waiting; :meth:`completions` collects it."""
         self.conn.send({"op": "generate", "requests": [vars(r) for r in requests]})
+
+    def answered(self, wait: float = 0.0) -> bool:
+        """The submitted batch's reply is here (or comes within ``wait`` seconds)."""
+        return self.conn.poll(wait)
+
+    def completions(self, timeout: float = REQUEST_TIMEOUT_S) -> list[Completion]:
         reply = self._receive(timeout, "generate")
         if "error" in reply:
             raise EngineFailure(self, reply["error"], reply["message"])
         return [Completion(**c) for c in reply["completions"]]
+
+    def hang(self) -> None:
+        """SIGSTOP the whole engine (driver, EngineCore, workers): a hung host, not a dead one
+        (its sockets stay open, so a peer's transfer neither ends nor fails)."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
 
     def abort_after(self, request: Request, tokens: int, timeout: float = REQUEST_TIMEOUT_S) -> str:
         """Run ``request`` until it produced ``tokens`` tokens, then abort it as a client
@@ -376,7 +396,12 @@ class Engine:
 
 
 def _end_group(pgid: int) -> None:
-    """SIGTERM, then SIGKILL, the session the driver leads (EngineCore and workers too)."""
+    """SIGTERM, then SIGKILL, the session the driver leads (EngineCore and workers too); a
+    stopped (hung) tree is continued first, or SIGTERM would wait for that."""
+    try:
+        os.killpg(pgid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pgid, sig)
@@ -495,7 +520,7 @@ def transfer(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int
     """
     for attempt in range(2):
         before = len(decode.log())
-        (out,) = decode.generate([_decode_request(prefill, prompt, max_tokens, cache_hit)])
+        (out,) = decode.generate([decode_request(prefill, prompt, max_tokens, cache_hit)])
         failures = decode.nixl_failures(before)
         if out.token_ids or attempt or not any(f.startswith("handshake") for f in failures):
             return out.token_ids
@@ -552,7 +577,7 @@ def warm_up(prefill: Engine, decode: Engine, timeout: float = WARM_UP_TIMEOUT_S)
     deadline = time.monotonic() + timeout
     for attempt in range(1, 1000):
         before = len(decode.log())
-        (out,) = decode.generate([_decode_request(prefill, WARM_UP_PROMPT, 1, False)])
+        (out,) = decode.generate([decode_request(prefill, WARM_UP_PROMPT, 1, False)])
         failures = decode.nixl_failures(before)
         if out.token_ids or not any(f.startswith("handshake") for f in failures):
             return attempt
@@ -568,10 +593,10 @@ def transfer_then_abort(prefill: Engine, decode: Engine, prompt: list[int], max_
                         after_tokens: int, cache_hit: bool = False) -> str:
     """:func:`transfer`, but the client aborts the decode request once it has
     ``after_tokens`` tokens; the decode node's id of the request."""
-    return decode.abort_after(_decode_request(prefill, prompt, max_tokens, cache_hit), after_tokens)
+    return decode.abort_after(decode_request(prefill, prompt, max_tokens, cache_hit), after_tokens)
 
 
-def _decode_request(prefill: Engine, prompt: list[int], max_tokens: int, cache_hit: bool) -> Request:
+def decode_request(prefill: Engine, prompt: list[int], max_tokens: int, cache_hit: bool) -> Request:
     (first,) = prefill.generate([Request(prompt, 1, prefill_params())])
     params = dict(first.kv_transfer_params)
     if cache_hit:
@@ -682,8 +707,8 @@ def _drive(fd: int, config_path: str) -> None:
             outputs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests],
                                    [_sampling_params(r) for r in requests], use_tqdm=False)
             conn.send({"completions": [
-                {"token_ids": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params}
-                for o in outputs]})
+                {"token_ids": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params,
+                 "finish_reason": o.outputs[0].finish_reason} for o in outputs]})
         except Exception as exc:
             conn.send({"error": type(exc).__name__, "message": str(exc)})
 

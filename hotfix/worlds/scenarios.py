@@ -17,6 +17,7 @@ from hotfix.worlds.scheduler_world import (
 from hotfix.worlds.timeline import (
     Abort,
     Arrive,
+    Elapse,
     Event,
     LoadDone,
     LoadFailed,
@@ -39,6 +40,7 @@ class Scenario:
     pp: int = 1
     unpatched_ranks: tuple[int, ...] = ()
     sliding_window: int | None = None
+    kv_load_failure_policy: str = "fail"
 
     def run(self) -> RunResult:
         world = World(
@@ -50,6 +52,7 @@ class Scenario:
             defer_async_loads=self.defer_async_loads,
             prefix_caching=self.prefix_caching,
             sliding_window=self.sliding_window,
+            kv_load_failure_policy=self.kv_load_failure_policy,
         )
         return world.run(self.timeline, until=self.until, grace=self.grace)
 
@@ -286,4 +289,31 @@ READS_UNDER_ONE_REQUEST_ID = Scenario(
      Arrive(6, "R", remote_prefill=True, hits={"lmc": 48}, max_tokens=2), LoadDone(7, "R", "lmc"),
      LoadDone(12, "R", "nixl")),
     prefix_caching=False,
+)
+
+
+# D8 (load-bound): loads that do not end within the bound. The tests set
+# HOTFIX_LOAD_TIMEOUT_S=LOAD_BOUND_TEST_S; the world sleeps past it before tick 2, and the late
+# report comes at 9 (the hung prefill resumed, the READ finally ended).
+LOAD_BOUND_TEST_S = 0.5
+PAST_THE_BOUND = Elapse(2, 1.5 * LOAD_BOUND_TEST_S)
+REMOTE_ONLY_R = Arrive(0, "R", remote_prefill=True, max_tokens=2)
+# recv-barrier's wedge: the chosen NIXL is done at 1, the stray LMCache retrieve runs until 9.
+STRAY_LOAD_PAST_THE_BOUND = Scenario(
+    BUG_REPORT, (BYSTANDER, REMOTE_R, LoadDone(1, "R", "nixl"), PAST_THE_BOUND, LoadDone(9, "R", "lmc"))
+)
+# The chosen READ hangs (a SIGSTOPped prefill) until 9.
+CHOSEN_LOAD_PAST_THE_BOUND = Scenario(
+    (nixl_pull(),), (BYSTANDER, REMOTE_ONLY_R, PAST_THE_BOUND, LoadDone(9, "R", "nixl"))
+)
+# TP=2: rank 0's READ ends at 1, rank 1's only at 9.
+RANK_LOAD_PAST_THE_BOUND = Scenario(
+    (nixl_pull(),),
+    (BYSTANDER, REMOTE_ONLY_R, LoadDone(1, "R", "nixl", rank=0), PAST_THE_BOUND,
+     LoadDone(9, "R", "nixl", rank=1)),
+    tp=2,
+)
+# Control: both loaders end within the bound.
+LOADS_WITHIN_THE_BOUND = Scenario(
+    BUG_REPORT, (BYSTANDER, REMOTE_R, LoadDone(1, "R", "nixl"), LoadDone(2, "R", "lmc"))
 )

@@ -80,6 +80,7 @@ from hotfix.worlds import connectors
 from hotfix.worlds.timeline import (
     Abort,
     Arrive,
+    Elapse,
     Event,
     LoadDone,
     LoadFailed,
@@ -383,8 +384,10 @@ class World:
         pp: int = 1,
         unpatched_ranks: Iterable[int] = (),
         sliding_window: int | None = None,
+        kv_load_failure_policy: str = "fail",
     ) -> None:
         self.children = list(children)
+        self.kv_load_failure_policy = kv_load_failure_policy
         self.tp = tp
         self.pp = pp
         self.unpatched_ranks = frozenset(unpatched_ranks)
@@ -463,6 +466,7 @@ class World:
             kv_connector="MultiConnector",
             kv_role="kv_consumer",
             engine_id=engine_id,
+            kv_load_failure_policy=self.kv_load_failure_policy,
             kv_connector_extra_config={
                 "connectors": [self._child_config(c, rank) for c in self.children]
             },
@@ -670,6 +674,8 @@ class World:
                 self._preempt(event.req)
             elif isinstance(event, Stop):
                 self._stops.add(event.req)
+            elif isinstance(event, Elapse):
+                time.sleep(event.seconds)
         self._observe()
 
         if self.scheduler.has_requests():

@@ -107,4 +107,13 @@ class StrayReport:
     rank: int | None = None
 
 
-Event = Arrive | LoadDone | LoadFailed | SaveDone | Stop | Abort | Preempt | StrayReport
+@dataclass(frozen=True)
+class Elapse:
+    """Wall-clock time passes before this tick: the world sleeps `seconds` (a transfer that
+    takes long, or never ends, against a bound measured in seconds)."""
+
+    step: int
+    seconds: float
+
+
+Event = Arrive | LoadDone | LoadFailed | SaveDone | Stop | Abort | Preempt | StrayReport | Elapse

@@ -1,0 +1,124 @@
+"""A hung prefill (D8, load-bound) in the P/D world: real NIXL/UCX over loopback.
+
+After P computed the prompt and handed its ``kv_transfer_params`` over, the whole prefill
+engine is SIGSTOPped (a hung host: its sockets stay open, so D's READ neither ends nor
+fails). Three decode engines (NIXL only, the hotfix on each) get a request each:
+- ``unbounded`` (``HOTFIX_LOAD_BOUND=off``: today's main, and stock) waits for as long as P
+  is stopped: no answer past the bound (the red, asserted);
+- ``fail`` ends its request with an error within the bound (vLLM's default policy);
+- ``recompute`` prefills it locally within the bound and decodes the reference's tokens.
+Then P is continued: every READ ends, the bounded decodes absorb the late report (logged,
+counted), get every block back (``reset_prefix_cache()``) and serve the next request right.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, install_home
+from hotfix.worlds.pd_world import (
+    VOCAB_SIZE,
+    PDWorld,
+    Request,
+    build_model,
+    decode_nixl_config,
+    decode_request,
+    prefill_config,
+    transfer,
+    warm_up,
+)
+
+BOUND_S = 15.0  # HOTFIX_LOAD_TIMEOUT_S on the bounded decodes; a warm READ here takes < 1 s
+SLACK_S = 15.0  # the engine notices the bound at its next step; a loaded 2-core box is slow
+MAX_TOKENS = 8
+LATE_REPORT_TIMEOUT_S = 120.0
+
+
+def prompt(seed: int, length: int = 90) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd-hung")
+    home = install_home(root / "hotfix-home", fixes=())
+    bounded = {"HOTFIX_LOAD_TIMEOUT_S": str(BOUND_S)}
+    with PDWorld(root, build_model(root / "model"), clean_env()) as world:
+        prefill = world.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False})
+        decodes = {
+            "unbounded": world.start("decode-unbounded", decode_nixl_config(), hotfix_home=home,
+                                     env={"HOTFIX_LOAD_BOUND": "off"}),
+            "fail": world.start("decode-fail", decode_nixl_config(), hotfix_home=home,
+                                env={**bounded, "HOTFIX_STATUS_DIR": str(root / "status-fail")}),
+            "recompute": world.start(
+                "decode-recompute", {**decode_nixl_config(), "kv_load_failure_policy": "recompute"},
+                hotfix_home=home, env={**bounded, "HOTFIX_STATUS_DIR": str(root / "status-recompute")}),
+        }
+        for engine in world.engines:
+            engine.wait_ready()
+        for decode in decodes.values():
+            warm_up(prefill, decode)
+        yield root, prefill, decodes
+
+
+def load_bound_records(root: Path, name: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in (root / f"status-{name}").glob("*.json")]
+
+
+def counted(root: Path, name: str, kind: str) -> int:
+    return sum(r["counters"].get("load-bound", {}).get(kind, 0) for r in load_bound_records(root, name))
+
+
+def test_a_hung_prefill_ends_each_bounded_request_within_the_bound_and_every_block_comes_back(pd):
+    root, prefill, decodes = pd
+    tokens = {name: prompt(seed) for seed, name in enumerate(decodes, start=71)}
+    expected = {name: prefill.generate([Request(t, MAX_TOKENS)])[0].token_ids for name, t in tokens.items()}
+    requests = {name: decode_request(prefill, t, MAX_TOKENS, False) for name, t in tokens.items()}
+
+    prefill.hang()
+    try:
+        began = time.monotonic()
+        for name, decode in decodes.items():
+            decode.submit([requests[name]])
+        took = {}
+        while len(took) < 2 and time.monotonic() - began < BOUND_S + SLACK_S:
+            for name in ("fail", "recompute"):
+                if name not in took and decodes[name].answered(0.2):
+                    took[name] = time.monotonic() - began
+        assert set(took) == {"fail", "recompute"}, (took, decodes["fail"].log_tail())
+        (failed,) = decodes["fail"].completions()
+        (recomputed,) = decodes["recompute"].completions()
+        # the red: without the bound the request still waits for the hung prefill
+        assert not decodes["unbounded"].answered(0), "the unbounded decode answered while P was stopped"
+    finally:
+        prefill.resume()
+    print(f"load-bound: bound {BOUND_S:.0f} s; fail answered after {took['fail']:.1f} s, "
+          f"recompute after {took['recompute']:.1f} s; unbounded still waiting at "
+          f"{time.monotonic() - began:.1f} s")
+
+    assert BOUND_S <= took["fail"] < BOUND_S + SLACK_S
+    assert (failed.token_ids, failed.finish_reason) == ([], "error")
+    assert BOUND_S <= took["recompute"] < BOUND_S + SLACK_S
+    assert recomputed.token_ids == expected["recompute"]
+    (waited,) = decodes["unbounded"].completions()  # P continued: the READ ended
+    assert waited.token_ids == expected["unbounded"]
+
+    for name in ("fail", "recompute"):
+        decode = decodes[name]
+        deadline = time.monotonic() + LATE_REPORT_TIMEOUT_S
+        while "hotfix.load.late_report" not in decode.log() or not decode.reset_prefix_cache():
+            assert time.monotonic() < deadline, f"{name}: late report or blocks missing\n{decode.log_tail()}"
+            time.sleep(2)
+        assert decode.alive() and "AssertionError" not in decode.log()
+        after = prompt(90 + len(name))
+        assert transfer(prefill, decode, after, MAX_TOKENS) == \
+            prefill.generate([Request(after, MAX_TOKENS)])[0].token_ids
+        assert counted(root, name, "timed_out_nixl") == 1 and counted(root, name, "late_report") == 1
+        gauges = [r["gauges"].get("load-bound", {}).get("blocks_quarantined_now", 0)
+                  for r in load_bound_records(root, name)]
+        assert sum(gauges) == 0, gauges
