@@ -8,10 +8,21 @@ import vLLM.
 from __future__ import annotations
 
 import _thread  # not `threading`: its import alone costs ~8 ms in every Python process
+import os
 
 __version__ = "0.1.0"
 
 _lock = _thread.allocate_lock()
+
+
+def _renew_lock_in_child() -> None:
+    """A child forked while a thread held the lock gets a free one (see ``hotfix.forksafe``)."""
+    global _lock
+    _lock = _thread.allocate_lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock_in_child)
 #: which entry point activated this process first ("sitecustomize", "vllm_plugin", ...).
 activated_by = None
 

@@ -16,6 +16,8 @@ import os
 import sys
 import threading
 
+from hotfix import forksafe
+
 VENDOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vendor")
 _ACCEPTS = {
     # 2.2.0 broke C-descriptor wrapping; <2.4 lacks unwrap_object/is_wrapped_by.
@@ -24,6 +26,7 @@ _ACCEPTS = {
 }
 _cache = {}
 _lock = threading.Lock()
+forksafe.renew_in_child(sys.modules[__name__], "_lock")
 
 
 def _version_tuple(text) -> tuple:

@@ -7,8 +7,10 @@ instead; under ``HOTFIX_STRICT=1`` it raises :class:`ConfigError`.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
+from hotfix import forksafe
 from hotfix.log import BoundedSet
 
 MODES = ("on", "off", "force")
@@ -18,6 +20,7 @@ _FALSE = ("", "0", "false", "no", "off")
 
 _reported = BoundedSet(cap=256)  # (variable, value) pairs already reported invalid
 _reported_lock = threading.Lock()
+forksafe.renew_in_child(sys.modules[__name__], "_reported_lock")
 
 
 class ConfigError(ValueError):

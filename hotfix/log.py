@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
+
+from hotfix import forksafe
 
 LOGGER_NAME = "vllm.hotfix"
 #: seconds between two lines with the same rate-limit key.
@@ -23,6 +26,8 @@ _bound = None
 _bound_format = None
 _lock = threading.Lock()
 _limit_lock = threading.Lock()
+forksafe.renew_in_child(sys.modules[__name__], "_lock")
+forksafe.renew_in_child(sys.modules[__name__], "_limit_lock")
 
 
 def role() -> str:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from hotfix import log, status
+from hotfix import forksafe, log, status
 
 PREFIX = "vllm:hotfix_"
 _STATES_NOT_ACTIVE = ("degraded", "reverted", "skipped")
@@ -184,6 +185,7 @@ class HotfixCollector:
 
 _installed: Optional[HotfixCollector] = None
 _install_lock = threading.Lock()
+forksafe.renew_in_child(sys.modules[__name__], "_install_lock")
 
 
 def install(model_name: str) -> None:

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from hotfix import config, fingerprint, log
+from hotfix import forksafe, config, fingerprint, log
 
 WRAP = "wrap"
 LEAVE = "leave"  # a known shape that must not be wrapped (e.g. a shim that delegates)
@@ -225,6 +225,7 @@ class Activation:
         self.source = source
         self.fixes = {m.SPEC.id: _FixState(m.SPEC, m) for m in modules}
         self.lock = threading.RLock()
+        forksafe.renew_in_child(self, "lock", threading.RLock)
 
     def modules(self) -> List[str]:
         return sorted({t.module for f in self.fixes.values() for t in f.spec.targets})

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections import Counter
+
+from hotfix import forksafe
 
 FLUSH_INTERVAL_S = 1.0
 #: counters are keyed by (fix, kind), a fixed vocabulary; beyond this many keys a new one is
@@ -37,6 +40,7 @@ _gauges: dict = {}  # (fix, name) -> int; bounded like the counters
 _degraded: dict = {}  # fix -> reason; one entry per fix at most
 _identity: dict = {}  # model_name, engine, rank, ... as vLLM's constructors told us
 _lock = threading.Lock()
+forksafe.renew_in_child(sys.modules[__name__], "_lock")
 _last_flush = 0.0
 _flush_scheduled = False  # a timer will write what changed since the last write
 _exited_at = None
