@@ -7,8 +7,11 @@ ships one of our classes kills an EngineCore that cannot import ``hotfix`` at un
 
 The handshake, per fix and per engine, rides on channels vLLM already has:
 
-1. The scheduler half stamps every step's connector metadata with ``hotfix_halves`` — a dict
-   of builtins ``{fix: (state, epoch)}``, readable by any worker, patched or not.
+1. The scheduler half stamps every step's connector metadata with ``hotfix_halves_w<N>`` — a
+   dict of builtins ``{fix: (state, epoch)}``, readable by any worker, patched or not. ``N``
+   is the wire version (:data:`WIRE_VERSION`): a worker half answers only a stamp of its own
+   version, so halves of two releases of this package (a staggered upgrade, Ray workers with
+   their own copy) never ship each other a class the other may not unpickle; they degrade.
 2. A worker half that finds its fix in the stamp knows the EngineCore reads our classes; it
    then (and only then) announces itself in ``kv_connector_worker_meta`` with a token of its
    own, which ``KVOutputAggregator`` merges over the ranks (:func:`merge_presence`).
@@ -32,7 +35,11 @@ from typing import Dict, FrozenSet, Optional, Tuple
 
 from hotfix import log, status
 
-STAMP_ATTR = "hotfix_halves"
+#: Bump whenever what a half ships to the other changes (a class in the worker metadata, a
+#: field's meaning). 1 was the unversioned ``hotfix_halves`` stamp (up to 932d821).
+WIRE_VERSION = 2
+STAMP_PREFIX = "hotfix_halves"
+STAMP_ATTR = f"{STAMP_PREFIX}_w{WIRE_VERSION}"
 WAITING, AGREED, DEGRADED = "waiting", "agreed", "degraded"
 
 
@@ -41,6 +48,12 @@ def stamp_of(metadata, fix: str) -> Optional[Tuple[str, int]]:
     stamps = getattr(metadata, STAMP_ATTR, None)
     value = stamps.get(fix) if isinstance(stamps, dict) else None
     return tuple(value) if isinstance(value, (tuple, list)) and len(value) == 2 else None
+
+
+def other_wire_stamps(metadata) -> list:
+    """Stamps of other wire versions on ``metadata`` (another release's EngineCore)."""
+    return sorted(a for a in getattr(metadata, "__dict__", {})
+                  if a.startswith(STAMP_PREFIX) and a != STAMP_ATTR)
 
 
 def merge_presence(mine: Dict[str, FrozenSet[str]], other) -> Dict[str, FrozenSet[str]]:
@@ -96,8 +109,9 @@ class SchedulerHalf:
             return
         self.state = DEGRADED
         _degraded(self.fix, "worker", f"{present} of {self.ranks} worker ranks announced "
-                  f"the worker half", "stock behaviour in this engine (the scheduler half "
-                  "does nothing)")
+                  f"the worker half (the others run without the hotfix, or with a release of it "
+                  f"that does not speak {STAMP_ATTR})", "stock behaviour in this engine (the "
+                  "scheduler half does nothing)")
 
 
     def give_up(self, reason: str) -> None:
@@ -142,8 +156,11 @@ class WorkerHalf:
         if found is None:
             if self.state != DEGRADED:
                 self.state = DEGRADED
-                _degraded(self.fix, "scheduler", "the step's connector metadata carries no "
-                          "stamp (the EngineCore is not patched, or the fix is off there)",
+                other = other_wire_stamps(metadata)
+                reason = (f"the EngineCore runs another release of the hotfix (stamp {other}; this "
+                          f"worker speaks {STAMP_ATTR})" if other else "the step's connector metadata "
+                          "carries no stamp (the EngineCore is not patched, or the fix is off there)")
+                _degraded(self.fix, "scheduler", reason,
                           "stock behaviour on this worker; nothing of ours is sent")
             return
         if found[0] == DEGRADED and self.state != DEGRADED:
