@@ -6,11 +6,11 @@ from hotfix.fixes.load_bound import LoadClock, Quarantine
 
 def test_loads_are_overdue_in_start_order_once_past_the_bound():
     clock = LoadClock(timeout=10.0)
-    clock.start("A", now=0.0)
-    clock.start("B", now=5.0)
+    clock.start("A", now=0.0, label="nixl")
+    clock.start("B", now=5.0, label="lmcache")
     assert clock.overdue(9.9) == []
-    assert clock.overdue(12.0) == ["A"] and "A" not in clock and "B" in clock
-    assert clock.overdue(15.0) == ["B"] and len(clock) == 0
+    assert clock.overdue(12.0) == [("A", "nixl")] and "A" not in clock and "B" in clock
+    assert clock.overdue(15.0) == [("B", "lmcache")] and len(clock) == 0
 
 
 def test_a_load_that_ends_leaves_the_clock_and_a_restart_moves_it_to_the_back():
@@ -20,7 +20,7 @@ def test_a_load_that_ends_leaves_the_clock_and_a_restart_moves_it_to_the_back():
     clock.end("A")
     clock.end("never-started")
     clock.start("A", now=2.0)  # a new episode (a retry) gets a new deadline
-    assert clock.overdue(11.5) == ["B"] and clock.overdue(12.0) == ["A"]
+    assert clock.overdue(11.5) == [("B", "")] and clock.overdue(12.0) == [("A", "")]
 
 
 def test_clock_over_its_cap_evicts_the_oldest_for_the_caller_to_log():

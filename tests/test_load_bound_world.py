@@ -145,3 +145,16 @@ def test_hybrid_kv_cache_read_that_never_ends_is_never_decoded_over(policy):
         assert fixed.first_computed("R") == 3 and finished(fixed, "R")[1] == "length"
     else:
         assert finished(fixed, "R") == (2, "error") and fixed.first_computed("R") is None
+
+
+def test_request_aborted_while_its_read_hangs_is_counted_and_left_to_vllms_own_hold():
+    """No client waits and vLLM itself keeps the blocks until NIXL reports (its recv hold):
+    the bound counts it and changes nothing, the late report frees them as on stock."""
+    scenario = scenarios.ABORT_WHILE_READ_PAST_THE_BOUND
+    stock = run_stock(scenario)
+    assert stock.violations == [] and stock.step(8).free_blocks < stock.step(9).free_blocks
+    before = counter("timed_out_nixl"), counter("late_report")
+    fixed, _ = run_fixed(scenario, FIX, *ALL)
+    assert verdicts(fixed) == verdicts(stock) and fixed.violations == []
+    assert [s.free_blocks for s in fixed.steps] == [s.free_blocks for s in stock.steps]
+    assert (counter("timed_out_nixl"), counter("late_report")) == (before[0] + 1, before[1])

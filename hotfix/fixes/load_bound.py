@@ -95,13 +95,14 @@ def timeout_s() -> Optional[float]:
 
 class LoadClock:
     """Deadlines of the async loads in flight, oldest first (one bound, so start order is
-    deadline order). An entry ends with its load; bounded by ``cap`` (oldest evicted, returned
-    in ``evicted`` for the caller to log: that load is no longer bounded)."""
+    deadline order), each with the caller's label (the connector chosen at the start). An
+    entry ends with its load; bounded by ``cap`` (oldest evicted, returned in ``evicted`` for
+    the caller to log: that load is no longer bounded)."""
 
     def __init__(self, timeout: float, cap: int = 65536) -> None:
         self.timeout = timeout
         self.cap = cap
-        self._deadlines: "OrderedDict[str, float]" = OrderedDict()
+        self._deadlines: "OrderedDict[str, Tuple[float, str]]" = OrderedDict()
         self.evicted: List[str] = []
 
     def __len__(self) -> int:
@@ -110,23 +111,23 @@ class LoadClock:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._deadlines
 
-    def start(self, req_id: str, now: float) -> None:
-        self._deadlines[req_id] = now + self.timeout
+    def start(self, req_id: str, now: float, label: str = "") -> None:
+        self._deadlines[req_id] = (now + self.timeout, label)
         while len(self._deadlines) > self.cap:
             self.evicted.append(self._deadlines.popitem(last=False)[0])
 
     def end(self, req_id: str) -> None:
         self._deadlines.pop(req_id, None)
 
-    def overdue(self, now: float) -> List[str]:
-        """Loads past their deadline, removed from the clock."""
+    def overdue(self, now: float) -> List[Tuple[str, str]]:
+        """``(req_id, label)`` of the loads past their deadline, removed from the clock."""
         due = []
         while self._deadlines:
-            req_id, deadline = next(iter(self._deadlines.items()))
+            req_id, (deadline, label) = next(iter(self._deadlines.items()))
             if deadline > now:
                 break
             del self._deadlines[req_id]
-            due.append(req_id)
+            due.append((req_id, label))
         return due
 
 
@@ -254,19 +255,20 @@ def _before(scheduler, state: _State, output) -> Tuple[_Step, object]:
         for request in queue:
             if request.status is waiting and request.request_id not in state.clock \
                     and request.request_id not in recving:
-                state.clock.start(request.request_id, now)
+                state.clock.start(request.request_id, now,
+                                  _chosen_connector(scheduler.connector, request.request_id))
     _report_evictions(state)
 
     inject_recv, inject_failed, inject_invalid = set(), set(), set()
-    for req_id in state.clock.overdue(now):
+    for req_id, connector in state.clock.overdue(now):
         request = scheduler.requests.get(req_id)
         if request is None or req_id in recving:
             continue
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            continue  # aborted while loading: vLLM keeps its blocks until the report itself
+            _held_by_vllm(state, request, connector)
+            continue
         how = _failure_route(scheduler, state, req_id)
         groups = _quarantine_load_targets(scheduler, state, request)
-        connector = _chosen_connector(scheduler.connector, req_id)
         _count(f"timed_out_{connector}")
         log.emit("error", "hotfix.load.timed_out", fix=FIX, req_id=req_id, connector=connector,
                  timeout_s=state.clock.timeout, blocks_quarantined=sum(len(g) for g in groups),
@@ -298,6 +300,17 @@ def _blocked_queues(scheduler) -> tuple:
     however long the waiting queue is."""
     return tuple(q for q in (getattr(scheduler, "kv_holding_waiting", None),
                              getattr(scheduler, "skipped_waiting", None)) if q)
+
+
+def _held_by_vllm(state: _State, request, connector: str) -> None:
+    """Aborted while its load runs: vLLM itself keeps the blocks until the transfer reports
+    (and frees them then), and no client waits. Counted and logged, nothing changed."""
+    _count(f"timed_out_{connector}")
+    log.emit("warning", "hotfix.load.timed_out", fix=FIX, req_id=request.request_id,
+             connector=connector, timeout_s=state.clock.timeout, status=request.status.name,
+             reason=f"a finished request's async KV load not done within {TIMEOUT_VAR}="
+             f"{state.clock.timeout:g} s", action="none: vLLM holds its blocks until the transfer "
+             "reports")
 
 
 def _failure_route(scheduler, state: _State, req_id: str) -> str:

@@ -317,3 +317,7 @@ RANK_LOAD_PAST_THE_BOUND = Scenario(
 LOADS_WITHIN_THE_BOUND = Scenario(
     BUG_REPORT, (BYSTANDER, REMOTE_R, LoadDone(1, "R", "nixl"), LoadDone(2, "R", "lmc"))
 )
+# The client leaves while the READ hangs: vLLM keeps R's blocks until NIXL reports (at 9).
+ABORT_WHILE_READ_PAST_THE_BOUND = Scenario(
+    (nixl_pull(),), (BYSTANDER, REMOTE_ONLY_R, Abort(1, "R"), PAST_THE_BOUND, LoadDone(9, "R", "nixl"))
+)
