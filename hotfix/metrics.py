@@ -38,9 +38,13 @@ class EngineView:
     model_name: str
     engine: str
     processes: List[dict] = field(default_factory=list)
+    exited: List[dict] = field(default_factory=list)  # its processes that ended before it
 
     def counter(self, fix: str, kind: str) -> int:
-        return sum(int(p.get("counters", {}).get(fix, {}).get(kind, 0)) for p in self.processes)
+        """Over its live processes and those that ended before it (their last counts: a
+        counter that went down would read as a reset and spike ``rate()``)."""
+        return sum(int(p.get("counters", {}).get(fix, {}).get(kind, 0))
+                   for p in self.processes + self.exited)
 
     def gauge(self, fix: str, name: str) -> int:
         return sum(int(p.get("gauges", {}).get(fix, {}).get(name, 0)) for p in self.processes)
@@ -71,7 +75,8 @@ def _reason_code(state: str, reason: str) -> str:
 
 
 def engine_views(records: List[dict], model_name: str = "") -> List[EngineView]:
-    """Live records grouped per engine; a worker without identity joins its EngineCore."""
+    """Live records grouped per engine; a worker without identity joins its EngineCore, and
+    the records of a live engine's children that ended (exited or gone) join it as ``exited``."""
     live = [r for r in records if status.is_live(r)]
     by_pid = {r["pid"]: r for r in live}
     views: Dict[tuple, EngineView] = {}
@@ -91,6 +96,12 @@ def engine_views(records: List[dict], model_name: str = "") -> List[EngineView]:
         key = key_of(record)
         if key is not None:
             views.setdefault(key, EngineView(*key)).processes.append(record)
+    for record in records:  # a worker that ended before its EngineCore (shutdown order)
+        parent = by_pid.get(record.get("ppid"))
+        if parent is not None and record["pid"] not in by_pid:
+            key = key_of(parent)
+            if key in views:
+                views[key].exited.append(record)
     return [views[k] for k in sorted(views)]
 
 

@@ -41,6 +41,10 @@ _degraded: dict = {}  # fix -> reason; one entry per fix at most
 _identity: dict = {}  # model_name, engine, rank, ... as vLLM's constructors told us
 _lock = threading.Lock()
 forksafe.renew_in_child(sys.modules[__name__], "_lock")
+_replace_lock = threading.Lock()  # taken alone, around the file's replacement only
+forksafe.renew_in_child(sys.modules[__name__], "_replace_lock")
+_snapshots = 0  # numbers each record as it is taken; an older one never replaces a newer
+_written = 0
 _last_flush = 0.0
 _flush_scheduled = False  # a timer will write what changed since the last write
 _exited_at = None
@@ -213,14 +217,23 @@ def write(act) -> None:
     global _last_flush
     from hotfix import config
 
+    global _snapshots, _written
     directory = config.status_dir()
+    with _lock:
+        _snapshots += 1
+        mine = _snapshots
     try:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{os.getpid()}.json")
         tmp = f"{path}.{threading.get_ident()}.tmp"  # the timer and a hook may write at once
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(snapshot(act), fh, sort_keys=True)
-        os.replace(tmp, path)
+        with _replace_lock:  # the timer's record, taken before a degrade, must not land after it
+            if mine > _written:
+                os.replace(tmp, path)
+                _written = mine
+            else:
+                os.remove(tmp)
     except OSError:
         pass
     with _lock:

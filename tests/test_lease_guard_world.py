@@ -190,3 +190,25 @@ def test_a_nixl_scheduler_built_without_its_config_gets_stock_metadata(caplog):
         metadata = bare.build_connector_meta(None)
     assert metadata.reqs_to_recv == {}
     assert any("hotfix.runtime.error" in r.getMessage() for r in caplog.records)
+
+
+def test_a_decline_whose_accounting_fails_still_declines_and_never_reaches_the_worker(decode, monkeypatch):
+    """The count and log line after a decline ran outside the hook's containment: an error
+    there escaped into NIXL's worker (an EngineCore death). Contained now, the READ stays
+    declined (not issued after all) and the error is counted."""
+    from hotfix.fixes import lease_guard
+
+    def broken(kind):
+        if kind == "read_declined":
+            raise RuntimeError("status unavailable")
+        return real(kind)
+
+    real = lease_guard._count
+    monkeypatch.setattr(lease_guard, "_count", broken)
+    with hotfix_active(FIX):
+        before = counters()
+        world = declined_read(decode(), before, **{REFUSED_ATTR: 12.0})
+        recving, _ = world.finished()
+    assert "R" in recving and not world.worker._recving_transfers.get("R")
+    assert world.agent.handles_to(world.prefill_agent(0)) == []
+    assert delta(before) == {"internal_error": 1}

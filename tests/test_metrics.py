@@ -201,3 +201,17 @@ def test_status_runtime_names_the_missing_half_of_a_degraded_fix(engine_dir, mon
     out = capsys.readouterr().out
     assert "    recv-barrier degraded: worker half missing: 0 of 2 worker ranks" in out
     assert "xfer-guard applied:" not in out
+
+
+def test_a_worker_that_exits_before_its_engine_core_keeps_its_counts(engine_dir):
+    """Shutdown order: a worker's last record is marked exited while its EngineCore still runs.
+    Dropping its counts made the engine's counters go down (read as a reset: rate() spikes and
+    the rate > 0 alerts fire). Its gauges and its process no longer count."""
+    worker = json.loads((engine_dir / f"{os.getppid()}.json").read_text())
+    worker.update(ppid=os.getpid(), exited_at=1.0, gauges={"pull-pin": {"blocks_pinned_now": 4}})
+    (engine_dir / f"{os.getppid()}.json").write_text(json.dumps(worker))
+    samples = scrape(engine_dir)
+    assert sample(samples, "vllm:hotfix_concurrent_loads_held_total") == 5
+    assert sample(samples, "vllm:hotfix_stray_load_reports_absorbed_total") == 1
+    assert sample(samples, "vllm:hotfix_processes") == 1
+    assert sample(samples, "vllm:hotfix_blocks_pinned_now") == 0

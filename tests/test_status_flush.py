@@ -94,3 +94,30 @@ def test_a_forked_multiprocessing_child_writes_its_own_exit_record(status_file):
     child.join(30)
     record = read(status_file.parent / f"{child.pid}.json")
     assert record["exited_at"] and record["counters"] == {"flush-test": {"in-child": 1}}
+
+
+def test_a_timer_record_taken_before_a_degrade_never_replaces_the_degraded_one(status_file, monkeypatch):
+    """The timer took its record, then a half degraded and wrote its own; the timer's, older,
+    must not land last (the file said applied for a fix running stock, until the next write)."""
+    act = SimpleNamespace(source="test", snapshot=lambda: {"pull-pin": {"state": "applied", "reason": ""}})
+    monkeypatch.setattr(registry, "activation", lambda: act)
+    monkeypatch.setattr(status, "_degraded", {})
+    real, taken, go = status.snapshot, threading.Event(), threading.Event()
+
+    def slow_first(activation):
+        record = real(activation)
+        if threading.current_thread().name == "timer":
+            taken.set()
+            go.wait(5)
+        return record
+
+    monkeypatch.setattr(status, "snapshot", slow_first)
+    timer = threading.Thread(target=status.write, args=(act,), name="timer")
+    timer.start()
+    assert taken.wait(5)
+    status.degrade("pull-pin", "worker half missing: test")  # writes the degraded record
+    assert read(status_file)["fixes"]["pull-pin"]["state"] == "degraded"
+    go.set()
+    timer.join(5)
+    assert read(status_file)["fixes"]["pull-pin"]["state"] == "degraded"
+    assert not list(status_file.parent.glob("*.tmp"))

@@ -301,19 +301,25 @@ def hear_the_worker_halves(wrapped, instance, args, kwargs):
 def decline_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
     """A READ the EngineCore refused fails before any byte moves, as vLLM fails an expired
     turn-2 readback; everything else is NIXL's own READ."""
-    req_id = argument(args, kwargs, 0, "req_id")
-    late = getattr(argument(args, kwargs, 1, "meta"), REFUSED_ATTR, None)
+    try:
+        req_id = argument(args, kwargs, 0, "req_id")
+        late = getattr(argument(args, kwargs, 1, "meta"), REFUSED_ATTR, None)
+        if late is not None:
+            _fail_before_reading(instance, req_id)
+    except Exception as exc:
+        contain(FIX, _READ_TARGET, exc, fallback="this READ runs as stock")
+        return wrapped(*args, **kwargs)
     if late is None:
         return wrapped(*args, **kwargs)
-    try:
-        _fail_before_reading(instance, req_id)
+    try:  # declined: whatever happens now, the READ must not be issued after all
+        _count("read_declined")
+        log.info("hotfix.lease.read_declined", fix=FIX, req_id=req_id, seconds_past_deadline=late)
     except Exception as exc:
-        contain(FIX, "NixlPullConnectorWorker._read_blocks_for_req", exc,
-                fallback="this READ runs as stock")
-        return wrapped(*args, **kwargs)
-    _count("read_declined")
-    log.info("hotfix.lease.read_declined", fix=FIX, req_id=req_id, seconds_past_deadline=late)
+        contain(FIX, _READ_TARGET, exc, fallback="the declined READ is not counted")
     return None
+
+
+_READ_TARGET = "NixlPullConnectorWorker._read_blocks_for_req"
 
 
 def _fail_before_reading(worker, req_id: str) -> None:
