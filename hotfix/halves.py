@@ -79,6 +79,14 @@ class SchedulerHalf:
         self.state = WAITING
         self.epoch = 0
 
+    @classmethod
+    def for_engine(cls, fix: str, parallel_config) -> "SchedulerHalf":
+        """The half for an engine: it hears every worker rank its executor aggregates
+        (``world_size``: PP x TP x PCP), except under vLLM's ``external_launcher``, where each
+        process runs its own scheduler beside one worker and nothing is aggregated."""
+        backend = getattr(parallel_config, "distributed_executor_backend", None)
+        return cls(fix, 1 if backend == "external_launcher" else parallel_config.world_size)
+
     @property
     def agreed(self) -> bool:
         return self.state == AGREED

@@ -101,3 +101,20 @@ def test_an_error_fallback_degrades_an_existing_half_and_never_creates_or_raises
     owner._half = halves.SchedulerHalf("demo-fix", 1)
     halves.give_up(owner, "_half", "stamp failed")
     assert owner._half.state == halves.DEGRADED
+
+
+def test_an_external_launcher_engine_hears_its_own_rank_only():
+    """vLLM's external_launcher runs a scheduler beside one worker in each process (no
+    aggregation over the world): one announcing rank is the whole engine. Counting world_size
+    ranks there logged a false degraded ERROR and left every fix stock."""
+    from types import SimpleNamespace
+
+    launched = SimpleNamespace(distributed_executor_backend="external_launcher", world_size=2)
+    executor = SimpleNamespace(distributed_executor_backend="mp", world_size=2)
+    for config, expected in ((launched, AGREED), (executor, DEGRADED)):
+        scheduler, worker = SchedulerHalf.for_engine("fix", config), WorkerHalf("fix")
+        metadata = Metadata()
+        scheduler.stamp(metadata)
+        worker.bound(pickle.loads(pickle.dumps(metadata)))
+        scheduler.heard(_announce(worker))
+        assert scheduler.state == expected

@@ -212,3 +212,22 @@ def test_a_decline_whose_accounting_fails_still_declines_and_never_reaches_the_w
     assert "R" in recving and not world.worker._recving_transfers.get("R")
     assert world.agent.handles_to(world.prefill_agent(0)) == []
     assert delta(before) == {"internal_error": 1}
+
+
+def test_push_mode_has_no_lease_handshake_and_no_false_degraded_error():
+    """NIXL push mode (P writes into D): no pull worker exists to announce lease-guard's worker
+    half, so stamping there made every push-mode EngineCore log a false hotfix.halves.degraded
+    ERROR. The scheduler half now stamps only NIXL's pull scheduler."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
+        NixlPushConnectorScheduler)
+
+    from hotfix.halves import STAMP_ATTR
+
+    real = World([nixl_pull()]).child("nixl").connector_scheduler
+    with hotfix_active(FIX):
+        push = NixlPushConnectorScheduler(real.vllm_config, real.engine_id, real.kv_cache_config)
+        metadata = push.build_connector_meta(None)
+        pulled = real.build_connector_meta(None)
+    assert FIX not in (getattr(metadata, STAMP_ATTR, None) or {})
+    assert "_hotfix_lease_half" not in push.__dict__
+    assert FIX in getattr(pulled, STAMP_ATTR)  # the pull scheduler still stamps

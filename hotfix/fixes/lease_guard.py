@@ -184,8 +184,8 @@ def _book(nixl_scheduler) -> LeaseBook:
 
 
 def _scheduler_half(nixl_scheduler) -> SchedulerHalf:
-    return state_of(nixl_scheduler, "_hotfix_lease_half", lambda: SchedulerHalf(
-        FIX, nixl_scheduler.vllm_config.parallel_config.world_size))
+    return state_of(nixl_scheduler, "_hotfix_lease_half", lambda: SchedulerHalf.for_engine(
+        FIX, nixl_scheduler.vllm_config.parallel_config))
 
 
 def export_the_lease_deadline(wrapped, instance, args, kwargs):
@@ -248,6 +248,8 @@ def refuse_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
     """D: judge each lease when D first relies on it (a heartbeat or the READ leaving now);
     mark the READs of refused ones, and stamp the handshake."""
     metadata = wrapped(*args, **kwargs)
+    if not _reads_by_pull(instance):
+        return metadata  # push mode: no worker half could answer, so no handshake either
     try:
         half = _scheduler_half(instance)
         half.stamp(metadata)
@@ -276,6 +278,13 @@ def refuse_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
     return metadata
 
 
+def _reads_by_pull(nixl_scheduler) -> bool:
+    """NIXL's pull scheduler: D READs from P (the only mode with a READ to judge; in push
+    mode P writes into D and no pull worker exists to announce a worker half)."""
+    pull = getattr(sys.modules.get(f"{_NIXL}.pull_scheduler"), "NixlPullConnectorScheduler", None)
+    return pull is not None and isinstance(nixl_scheduler, pull)
+
+
 def _has_blocks(block_ids) -> bool:
     ids = list(block_ids or ())
     return any(len(g) for g in ids) if ids and isinstance(ids[0], (list, tuple)) else bool(ids)
@@ -285,7 +294,7 @@ def hear_the_worker_halves(wrapped, instance, args, kwargs):
     """The first connector output decides whether every worker rank has the worker half."""
     try:
         scheduler = instance.connector_scheduler
-        if scheduler is not None:
+        if scheduler is not None and _reads_by_pull(scheduler):
             meta = getattr(argument(args, kwargs, 0, "connector_output"), "kv_connector_worker_meta", None)
             _scheduler_half(scheduler).heard(meta)
     except Exception as exc:

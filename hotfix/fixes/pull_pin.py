@@ -167,8 +167,8 @@ def _book(nixl_scheduler) -> PinBook:
 
 
 def _scheduler_half(nixl_scheduler) -> SchedulerHalf:
-    return state_of(nixl_scheduler, "_hotfix_half", lambda: SchedulerHalf(
-        FIX, nixl_scheduler.vllm_config.parallel_config.world_size))
+    return state_of(nixl_scheduler, "_hotfix_half", lambda: SchedulerHalf.for_engine(
+        FIX, nixl_scheduler.vllm_config.parallel_config))
 
 
 def _targets_per_group(local_block_ids, groups: int) -> list:

@@ -195,8 +195,8 @@ def plan_async_loads(wrapped, instance, args, kwargs):
 
 
 def _scheduler_half(multi) -> SchedulerHalf:
-    return state_of(multi, "_hotfix_half", lambda: SchedulerHalf(
-        FIX, multi._vllm_config.parallel_config.world_size))
+    return state_of(multi, "_hotfix_half", lambda: SchedulerHalf.for_engine(
+        FIX, multi._vllm_config.parallel_config))
 
 
 def ship_load_plans(wrapped, instance, args, kwargs):
