@@ -285,8 +285,8 @@ class Engine:
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
         """Wait for the engine; a start that lost a port race (another engine or process took
         a port vLLM had found free: EADDRINUSE) is relaunched once on fresh ports."""
-        reply = self._receive(timeout, "start")
-        if "error" in reply and "EADDRINUSE" in self.log() and self.relaunch is not None:
+        reply = self._receive(timeout, "start", give_up=self._lost_a_port_race)
+        if "error" in reply and self._lost_a_port_race() and self.relaunch is not None:
             self.relaunch()
             self.relaunch = None
             reply = self._receive(timeout, "start")
@@ -382,9 +382,17 @@ class Engine:
         _end_group(self.process.pid)
         self.conn.close()
 
-    def _receive(self, timeout: float, what: str) -> dict:
+    def _lost_a_port_race(self) -> bool:
+        """Another engine or process took a port vLLM found free; a thread that dies of it
+        (NIXL's handshake listener) leaves the driver waiting for a start that never comes."""
+        log = self.log()
+        return "EADDRINUSE" in log or "Address already in use" in log
+
+    def _receive(self, timeout: float, what: str, give_up=None) -> dict:
         deadline = time.monotonic() + timeout
         while not self.conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if give_up is not None and give_up():
+                return {"error": "port_in_use", "message": f"{what}: a port was taken meanwhile"}
             if time.monotonic() >= deadline:
                 raise EngineFailure(self, "timeout", f"no reply to {what} within {timeout:.0f}s")
             if not self.alive() and not self.conn.poll(0):
