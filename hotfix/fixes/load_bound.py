@@ -233,65 +233,91 @@ def _replace_output(args, kwargs, output):
 
 def _before(scheduler, state: _State, output) -> Tuple[_Step, object]:
     from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import RequestStatus
 
     step = _Step()
     kv = output.kv_connector_output
     recving = set(getattr(kv, "finished_recving", None) or ())
     failed = set(getattr(kv, "failed_recving", None) or ())
-    # late reports of timed-out loads: absorbed here, their blocks go back after vLLM's body
-    late = {r for r in recving | failed if r in state.quarantine}
-    for req_id in late:
-        step.ended.append(state.quarantine.ended(req_id))
-        _count("late_report")
-        log.emit("warning", "hotfix.load.late_report", fix=FIX, req_id=req_id,
-                 reason="a load that passed the bound ended after all", action="absorbed; its "
-                 "quarantined blocks go back to the pool")
+    late = _absorb_late_reports(state, step, recving | failed)
     for req_id in recving | failed:
         state.clock.end(req_id)
     now = monotonic()
+    _start_the_clock_of_new_loads(scheduler, state, now, recving)
+    failure = _Failure()
+    for req_id, connector in state.clock.overdue(now):
+        _fail_the_load_past_the_bound(scheduler, state, step, failure, req_id, connector, recving)
+    if not (late or failure.recving):
+        return step, output
+    fields = {"finished_recving": (recving - late) | failure.recving}
+    if _has_failed_recving():
+        fields["failed_recving"] = (failed - late) | failure.failed
+    if failure.invalid:
+        fields["invalid_block_ids"] = set(getattr(kv, "invalid_block_ids", None) or ()) | failure.invalid
+    kv = dataclasses.replace(kv, **fields) if kv is not None else KVConnectorOutput(**fields)
+    return step, dataclasses.replace(output, kv_connector_output=kv)
+
+
+@dataclasses.dataclass
+class _Failure:
+    """What this step's output gains for the loads past the bound."""
+
+    recving: set = dataclasses.field(default_factory=set)  # reported finished (ends the wait)
+    failed: set = dataclasses.field(default_factory=set)  # and failed (0.30+)
+    invalid: set = dataclasses.field(default_factory=set)  # their load-target blocks (0.27-0.29)
+
+
+def _absorb_late_reports(state: _State, step: _Step, reported: set) -> set:
+    """Reports of loads that passed the bound: taken out of the output (vLLM already failed the
+    request), their quarantined blocks go back after vLLM's body."""
+    late = {r for r in reported if r in state.quarantine}
+    for req_id in late:
+        step.ended.append(state.quarantine.ended(req_id))
+        _count("late_report")
+        log.limited((FIX, "late_report"), "warning", "hotfix.load.late_report", fix=FIX,
+                    req_id=req_id, reason="a load that passed the bound ended after all",
+                    action="absorbed; its quarantined blocks go back to the pool")
+    return late
+
+
+def _start_the_clock_of_new_loads(scheduler, state: _State, now: float, reported: set) -> None:
+    from vllm.v1.request import RequestStatus
+
     waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
     for queue in _blocked_queues(scheduler):
         for request in queue:
             if request.status is waiting and request.request_id not in state.clock \
-                    and request.request_id not in recving:
+                    and request.request_id not in reported:
                 state.clock.start(request.request_id, now,
                                   _chosen_connector(scheduler.connector, request.request_id))
     _report_evictions(state)
 
-    inject_recv, inject_failed, inject_invalid = set(), set(), set()
-    for req_id, connector in state.clock.overdue(now):
-        request = scheduler.requests.get(req_id)
-        if request is None or req_id in recving:
-            continue
-        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            _held_by_vllm(state, request, connector)
-            continue
-        how = _failure_route(scheduler, state, req_id)
-        groups = _quarantine_load_targets(scheduler, state, request)
-        _count(f"timed_out_{connector}")
-        log.emit("error", "hotfix.load.timed_out", fix=FIX, req_id=req_id, connector=connector,
-                 timeout_s=state.clock.timeout, blocks_quarantined=sum(len(g) for g in groups),
-                 reason=f"async KV load not finished within {TIMEOUT_VAR}={state.clock.timeout:g} s",
-                 action=how)
-        inject_recv.add(req_id)
-        if how == "error":
-            _error_request(scheduler, req_id, state.clock.timeout)
-        elif _has_failed_recving():
-            inject_failed.add(req_id)
-        else:
-            inject_invalid.update(b.block_id for b in groups[0])
-            if scheduler.recompute_kv_load_failures:
-                step.retried.append(req_id)
-    if not (late or inject_recv):
-        return step, output
-    fields = {"finished_recving": (recving - late) | inject_recv}
-    if _has_failed_recving():
-        fields["failed_recving"] = (failed - late) | inject_failed
-    if inject_invalid:
-        fields["invalid_block_ids"] = set(getattr(kv, "invalid_block_ids", None) or ()) | inject_invalid
-    kv = dataclasses.replace(kv, **fields) if kv is not None else KVConnectorOutput(**fields)
-    return step, dataclasses.replace(output, kv_connector_output=kv)
+
+def _fail_the_load_past_the_bound(scheduler, state: _State, step: _Step, failure: _Failure,
+                                  req_id: str, connector: str, reported: set) -> None:
+    from vllm.v1.request import RequestStatus
+
+    request = scheduler.requests.get(req_id)
+    if request is None or req_id in reported:
+        return
+    if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+        _held_by_vllm(state, request, connector)
+        return
+    how = _failure_route(scheduler, state, req_id)
+    groups = _quarantine_load_targets(scheduler, state, request)
+    _count(f"timed_out_{connector}")
+    log.limited((FIX, "timed_out", connector), "error", "hotfix.load.timed_out", fix=FIX,
+                req_id=req_id, connector=connector, timeout_s=state.clock.timeout,
+                blocks_quarantined=sum(len(g) for g in groups), action=how,
+                reason=f"async KV load not finished within {TIMEOUT_VAR}={state.clock.timeout:g} s")
+    failure.recving.add(req_id)
+    if how == "error":
+        _error_request(scheduler, req_id, state.clock.timeout)
+    elif _has_failed_recving():
+        failure.failed.add(req_id)
+    else:
+        failure.invalid.update(b.block_id for b in groups[0])
+        if scheduler.recompute_kv_load_failures:
+            step.retried.append(req_id)
 
 
 def _blocked_queues(scheduler) -> tuple:
@@ -306,11 +332,11 @@ def _held_by_vllm(state: _State, request, connector: str) -> None:
     """Aborted while its load runs: vLLM itself keeps the blocks until the transfer reports
     (and frees them then), and no client waits. Counted and logged, nothing changed."""
     _count(f"timed_out_{connector}")
-    log.emit("warning", "hotfix.load.timed_out", fix=FIX, req_id=request.request_id,
-             connector=connector, timeout_s=state.clock.timeout, status=request.status.name,
-             reason=f"a finished request's async KV load not done within {TIMEOUT_VAR}="
-             f"{state.clock.timeout:g} s", action="none: vLLM holds its blocks until the transfer "
-             "reports")
+    log.limited((FIX, "held_by_vllm", connector), "warning", "hotfix.load.timed_out", fix=FIX,
+                req_id=request.request_id, connector=connector, timeout_s=state.clock.timeout,
+                status=request.status.name, action="none: vLLM holds its blocks until the "
+                "transfer reports", reason=f"a finished request's async KV load not done within "
+                f"{TIMEOUT_VAR}={state.clock.timeout:g} s")
 
 
 def _failure_route(scheduler, state: _State, req_id: str) -> str:
