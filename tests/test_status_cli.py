@@ -166,4 +166,5 @@ def test_real_fixes_report_apply_on_the_installed_vllm_without_importing_it(tmp_
     d7 = (True, "known_shape") if release < (0, 30) else (False, "fixed_upstream")  # D7 fixed in 0.30
     assert decisions == {"recv-barrier": (True, "known_shape"), "xfer-guard": (True, "known_shape"),
                          "pull-pin": (True, "known_shape"), "nixl-settle": d7,
-                         "lease-guard": (True, "known_shape"), "load-bound": (True, "known_shape")}
+                         "lease-guard": (True, "known_shape"), "load-bound": (True, "known_shape"),
+                         "hybrid-fail": d7}  # D9: fixed in 0.30 too

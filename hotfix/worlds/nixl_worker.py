@@ -180,7 +180,10 @@ def _free_port() -> int:
 class DecodeWorld:
     """One decode worker (real NIXL worker, fake agent) and a prefill handshake listener."""
 
-    def __init__(self, monkeypatch, bad_handshake_ranks=()) -> None:
+    def __init__(self, monkeypatch, bad_handshake_ranks=(), stamp=None) -> None:
+        """``stamp(metadata)``: what a patched EngineCore adds to every step's NIXL metadata
+        (a fix's halves stamp), applied to each metadata this world binds."""
+        self.stamp = stamp
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                                  SchedulerConfig, VllmConfig)
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -299,7 +302,10 @@ class DecodeWorld:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlConnectorMetadata)
 
-        self.connector.bind_connector_metadata(meta or NixlConnectorMetadata())
+        meta = meta or NixlConnectorMetadata()
+        if self.stamp is not None:
+            self.stamp(meta)
+        self.connector.bind_connector_metadata(meta)
         self.connector.start_load_kv(None)
         self.connector.clear_connector_metadata()
 
