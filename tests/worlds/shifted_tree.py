@@ -161,17 +161,19 @@ def stock_fingerprint(module: str, qualname: str) -> str | None:
 def target_to_change(fix_id: str):
     """The first target of ``fix_id`` that the installed vLLM has in a shape the fix wraps (or
     in the shape of the upstream fix), that no other fix targets, and that holds a comparison
-    to change."""
+    to change; failing that, the first such target the fix only checks (``LEAVE``: a fix whose
+    wrapped methods other fixes wrap too, or one that wraps nothing on this release)."""
     specs = registry.discover()
     (spec,) = [s for s in specs if s.id == fix_id]
     shared = {t.key for s in specs if s is not spec for t in s.targets}
-    for target in spec.targets:
-        shape = target.shapes.get(stock_fingerprint(target.module, target.qualname))
-        # a changed FIXED shape (the upstream fix) must not pass unseen either
-        if shape is None or shape.action not in (registry.WRAP, registry.FIXED) or target.key in shared:
-            continue
-        if swappable_comparison(stock_text(relpath(target.module)), target.qualname):
-            return target
+    # a changed FIXED shape (the upstream fix) must not pass unseen either
+    for actions in ((registry.WRAP, registry.FIXED), (registry.LEAVE,)):
+        for target in spec.targets:
+            shape = target.shapes.get(stock_fingerprint(target.module, target.qualname))
+            if shape is None or shape.action not in actions or target.key in shared:
+                continue
+            if swappable_comparison(stock_text(relpath(target.module)), target.qualname):
+                return target
     raise AssertionError(f"{fix_id}: no target of it can be changed on this vLLM")
 
 
