@@ -34,7 +34,7 @@ from typing import List, Optional, Tuple
 
 from hotfix import config, log, status
 from hotfix.fixes._blocks import pool_of_group
-from hotfix.runtime import argument, contain, state_of
+from hotfix.runtime import argument, contain
 from hotfix.fixes._scheduler_shapes import HAS_REQUESTS, UPDATE_FROM_OUTPUT
 from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
 
@@ -356,7 +356,7 @@ def _quarantine_load_targets(scheduler, state: _State, request) -> tuple:
     for block in (b for group in groups for b in group):
         block.ref_cnt += 1
     state.quarantine.add(request.request_id, groups)
-    _quarantined_now(scheduler, state)
+    _quarantined_now(state)
     return groups
 
 
@@ -386,7 +386,7 @@ def _after(scheduler, state: _State, step: _Step) -> None:
             for group, blocks in enumerate(groups):
                 if blocks:
                     pool_of_group(manager, group).free_blocks(blocks)
-        _quarantined_now(scheduler, state)
+        _quarantined_now(state)
 
 
 def keep_stepping_while_quarantined(wrapped, instance, args, kwargs):
@@ -435,7 +435,7 @@ def _report_evictions(state: _State) -> None:
                      reason=f"too many entries in {type(book).__name__}", action=what)
 
 
-def _quarantined_now(scheduler, state: _State) -> None:
+def _quarantined_now(state: _State) -> None:
     status.gauge(FIX, "blocks_quarantined_now", state.quarantine.blocks)
 
 
