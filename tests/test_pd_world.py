@@ -322,7 +322,10 @@ class Lapsed:
 def lapsed(pd) -> dict[str, Lapsed]:
     """Four prompts prefilled on the short-lease prefill at once; the lease runs out; then P
     runs a request that needs every block of its pool: it is scheduled only once P released
-    the four (the lapse), and writes into all of them. One wait serves every lease test."""
+    the four (the lapse), and writes into all of them. The references P then computes may land
+    each prompt's KV in the very blocks its lapsed lease named (the free queue's order repeats),
+    so a second filler overwrites the whole pool again: a lapsed READ then always reads a filler.
+    One wait serves every lease test."""
     names = ("stock", "fail", "recompute", "no_deadline")
     prompts = {name: prompt(70 + i, 70) for i, name in enumerate(names)}
     firsts = pd.short_lease.generate([Request(prompts[n], 1, prefill_params()) for n in names])
@@ -333,6 +336,7 @@ def lapsed(pd) -> dict[str, Lapsed]:
         remote = first.kv_transfer_params["remote_request_id"]
         assert f"Releasing expired KV blocks for request {remote}" in log, pd.short_lease.log_tail()
     refs = pd.short_lease.generate([Request(prompts[n], MAX_TOKENS) for n in names])
+    pd.short_lease.generate([Request(prompt(78, LEASE_FILLER_LEN), 1)])
     return {name: Lapsed(prompts[name], dict(first.kv_transfer_params), ref.token_ids)
             for name, first, ref in zip(names, firsts, refs)}
 
