@@ -1,4 +1,4 @@
-"""``python -m hotfix status | bundle | repro``: operator commands.
+"""``python -m hotfix status | bundle | repro | shapes``: operator and maintainer commands.
 
 ``status`` is static: it reads the installed files and the environment and never imports
 vLLM or torch, so it can serve as a container readiness gate (exit 1 when an enabled fix
@@ -268,6 +268,24 @@ def cmd_repro(args) -> int:
     return repro.main(args.world, args.json, args.lmcache, args.verbose)
 
 
+def cmd_shapes(args) -> int:
+    from hotfix import shapes
+
+    try:
+        tree = shapes.Tree(args.dir)
+        references = [shapes.Tree(path) for path in args.against]
+        references += [shapes.Tree(shapes.download(version)) for version in args.download]
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"hotfix shapes: {exc}", file=sys.stderr)
+        return 2
+    rows = shapes.compare(tree, references)
+    if args.json:
+        print(json.dumps(shapes.as_json(tree, rows), indent=2))
+    else:
+        shapes.print_rows(tree, rows, references, args.all)
+    return 1 if any(r.needs_work for r in rows) else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hotfix", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -291,6 +309,16 @@ def main(argv=None) -> int:
                          help="pd world: the real LMCache as the decode's second connector "
                               "(lmcache from DIR, a pip --target directory, or this interpreter's)")
     p_repro.set_defaults(func=cmd_repro)
+    p_shapes = sub.add_parser("shapes", help="a vLLM tree's or wheel's patch targets against the "
+                              "known shapes, with diffs (for a new release)")
+    p_shapes.add_argument("dir", help="an unpacked vLLM tree (holding vllm/) or a vLLM wheel")
+    p_shapes.add_argument("--against", action="append", default=[], metavar="DIR",
+                          help="a reference release (tree or wheel) to diff against; repeatable")
+    p_shapes.add_argument("--download", action="append", default=[], metavar="VERSION",
+                          help="a reference release's wheel, fetched with pip (cached); repeatable")
+    p_shapes.add_argument("--all", action="store_true", help="list the known targets too")
+    p_shapes.add_argument("--json", action="store_true")
+    p_shapes.set_defaults(func=cmd_shapes)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
