@@ -20,11 +20,12 @@ from _common import retained_bytes
 
 
 def main() -> None:
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
     from hotfix.fixes import load_bound
     from hotfix.fixes.load_bound import LoadClock, Quarantine, _State
+    from hotfix.worlds.scheduler_world import runner_output
 
     def scheduler(n: int):
         requests = {f"r{i}": SimpleNamespace(request_id=f"r{i}", status=RequestStatus.RUNNING)
@@ -34,8 +35,7 @@ def main() -> None:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         return SimpleNamespace(requests=requests, connector=object(), skipped_waiting=blocked)
 
-    output = ModelRunnerOutput(req_ids=[], req_id_to_index={},
-                               kv_connector_output=KVConnectorOutput(finished_recving={"x"}))
+    output = runner_output(kv_connector_output=KVConnectorOutput(finished_recving={"x"}))
     print("Scheduler.update_from_output: the bound's work per step (no load past it)")
     print(f"{'requests':>9} {'us/step':>9}")
     for n in (0, 256, 4096):

@@ -48,7 +48,8 @@ def test_live_function_matches_its_file(tmp_path, monkeypatch):
 vllm_root = fingerprint.package_root("vllm")  # the suite runs against a real install (.ci/run)
 
 # Fingerprints of Scheduler._update_from_kv_xfer_finished in the stock wheels.
-STOCK = {"258ebbc0d940084d": "0.27.0-0.31.0", "10edd450e3d6daa5": "0.32.0-0.33.0"}
+STOCK = {"258ebbc0d940084d": "0.27.0-0.31.0", "10edd450e3d6daa5": "0.32.0-0.33.0",
+         "340177406d94690e": "0.34.0"}
 
 
 def test_real_scheduler_target_has_a_stock_fingerprint():

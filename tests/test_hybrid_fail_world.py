@@ -10,7 +10,7 @@ worker reported.
 from __future__ import annotations
 
 import pytest
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 from hotfix import registry, status
 from hotfix.fixes import hybrid_fail
@@ -18,7 +18,7 @@ from hotfix.fixes.lease_guard import REFUSED_ATTR
 from hotfix.halves import SchedulerHalf
 from hotfix.worlds.hotfix_on import hotfix_active
 from hotfix.worlds.nixl_worker import DecodeWorld
-from hotfix.worlds.scheduler_world import FAILED_RECVS_SUPPORTED, World, nixl_pull
+from hotfix.worlds.scheduler_world import FAILED_RECVS_SUPPORTED, World, nixl_pull, runner_output
 from hotfix.worlds.timeline import Arrive
 
 FIX = hybrid_fail.FIX
@@ -127,8 +127,7 @@ def hybrid_scheduler_after(report: KVConnectorOutput, policy: str):
     assert scheduler.requests["R"].status.name == "WAITING_FOR_REMOTE_KVS"
     kv = report if not callable(report) else report(scheduler)
     try:
-        scheduler.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={},
-                                                            kv_connector_output=kv))
+        scheduler.update_from_output(out, runner_output(kv_connector_output=kv))
     except Exception as exc:  # what would kill the EngineCore
         return world, exc, None, 0, None
     nxt = scheduler.schedule()

@@ -10,6 +10,9 @@ import pytest
 
 from hotfix import status
 from hotfix.worlds import scenarios
+from hotfix.fixes import load_bound
+from hotfix.worlds.scheduler_world import DEFERRED_LOADS_SUPPORTED, INFLIGHT_LIMIT_SUPPORTED
+from hotfix.worlds.timeline import Arrive, LoadDone
 from hotfix.worlds.tracker import COMPUTE_WHILE_LOADING
 from tests.worlds.verdicts import finished, run_fixed, run_stock, verdicts
 
@@ -158,3 +161,45 @@ def test_request_aborted_while_its_read_hangs_is_counted_and_left_to_vllms_own_h
     assert verdicts(fixed) == verdicts(stock) and fixed.violations == []
     assert [s.free_blocks for s in fixed.steps] == [s.free_blocks for s in stock.steps]
     assert (counter("timed_out_nixl"), counter("late_report")) == (before[0] + 1, before[1])
+
+
+@pytest.mark.skipif(not INFLIGHT_LIMIT_SUPPORTED, reason="no --max-num-inflight-kv-loads before vLLM 0.34")
+def test_an_aborted_read_that_hangs_no_longer_holds_the_only_inflight_load_slot():
+    """vLLM 0.34, one in-flight KV load at most: R is aborted while its READ hangs, and vLLM
+    counts that load in flight until it reports. Stock: S's async load waits for the slot
+    until R's late report (a hung transfer stalls every later load); with the bound, R's slot
+    is given back once past it (its blocks stay vLLM's until the report): S runs at once."""
+    scenario = scenarios.ABORT_WHILE_READ_PAST_THE_BOUND_THEN_S
+    stock = run_stock(scenario)
+    assert stock.violations == []
+    assert all(stock.step(t).status.get("S") == "WAITING" for t in range(3, LATE + 1))  # the red
+
+    fixed, _ = run_fixed(scenario, FIX, *ALL)
+    assert fixed.crash is None, fixed.crash.traceback
+    assert fixed.violations == [] and fixed.world.scheduler._aborted_kv_loads == set()
+    assert fixed.first_computed("S") < LATE and finished(fixed, "S")[1] == "length"
+    assert fixed.step(LATE).free_blocks > fixed.step(LATE - 1).free_blocks  # R's, at its report
+
+
+@pytest.mark.skipif(not DEFERRED_LOADS_SUPPORTED, reason="deferred async loads are vLLM 0.33+")
+def test_a_parked_load_starts_its_clock_only_once_vllm_starts_the_load(monkeypatch):
+    """vLLM 0.33+ parks an async load scheduled while a batch is in flight (``deferred_loads``,
+    status already WAITING_FOR_REMOTE_KVS) and starts it when that batch is processed: the
+    clock must not count the parked time, so it starts at the step after the load started."""
+    seen = []  # per step: (R parked when the clock's scan ran, R's clock running after it)
+
+    def spy(scheduler, state, now, reported):
+        parked = "R" in scheduler.deferred_loads
+        load_bound._start_the_clock_of_new_loads.__wrapped__(scheduler, state, now, reported)
+        seen.append((parked, "R" in state.clock))
+
+    spy.__wrapped__ = load_bound._start_the_clock_of_new_loads
+    monkeypatch.setattr(load_bound, "_start_the_clock_of_new_loads", spy)
+    scenario = scenarios.Scenario(
+        (scenarios.nixl_pull(),), (scenarios.BYSTANDER, Arrive(1, "R", remote_prefill=True, max_tokens=2),
+                                   LoadDone(4, "R", "nixl")),
+        async_scheduling=True, defer_async_loads=True)
+    fixed, _ = run_fixed(scenario, FIX)
+    assert fixed.crash is None and fixed.violations == []
+    assert (True, False) in seen and (True, True) not in seen  # parked: no clock yet
+    assert (False, True) in seen and finished(fixed, "R")[1] == "length"  # then bounded

@@ -135,7 +135,7 @@ def test_real_vllm_status_matches_stock_shape_without_importing_vllm_or_torch(tm
     assert imported == []
     assert rc == 0 and report["vllm"]["version"]
     (target,) = report["fixes"][0]["targets"]
-    assert target["action"] == "wrap" and target["matches"] in ("0.27.0-0.31.0", "0.32.0-0.33.0")
+    assert target["action"] == "wrap" and target["matches"] in ("0.27.0-0.31.0", "0.32.0-0.33.0", "0.34.0")
 
 
 def test_real_vllm_file_with_one_statement_changed_is_named_with_both_fingerprints(tmp_path):

@@ -7,7 +7,9 @@ from dataclasses import replace
 import pytest
 
 from hotfix import status
+from hotfix.fixes import xfer_guard
 from hotfix.worlds import scenarios
+from hotfix.worlds.scheduler_world import INFLIGHT_LIMIT_SUPPORTED
 from hotfix.worlds.tracker import COMPUTE_WHILE_LOADING, READ_FROM_FREED, WRITE_INTO_FREED
 from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock, verdicts
 
@@ -125,3 +127,25 @@ def test_toggled_off_behaves_exactly_like_stock(monkeypatch):
         fixed, states = run_fixed(scenario, FIX)
         assert states[FIX]["state"] == "skipped"
         assert verdicts(fixed) == verdicts(run_stock(scenario))
+
+
+@pytest.mark.skipif(not INFLIGHT_LIMIT_SUPPORTED, reason="no --max-num-inflight-kv-loads before vLLM 0.34")
+def test_a_load_that_ended_under_a_save_hold_gives_its_inflight_slot_back(monkeypatch):
+    """vLLM 0.34, one in-flight KV load at most: R is aborted, NIXL's report comes while the
+    async save still holds R's blocks (D4; stock dies on it). The fix keeps the report from
+    vLLM's free but gives R's in-flight slot back as vLLM does when it sees the report: S's
+    load starts on arrival and S finishes; nothing is left in ``_aborted_kv_loads``."""
+    scenario = scenarios.ABORT_NIXL_FIRST_ALL_SAVED_THEN_S
+    stock = run_stock(scenario)
+    assert stock.crash.source_line == IN_REQUESTS
+
+    fixed, _ = run_fixed(scenario, FIX)
+    survived(fixed)
+    assert fixed.violations == [] and fixed.world.scheduler._aborted_kv_loads == set()
+    assert fixed.step(6).status["S"] == "WAITING_FOR_REMOTE_KVS" and finished(fixed, "S")[1] == "length"
+
+    # the red of the slot's release: without it R holds the only slot for good, S never loads
+    monkeypatch.setattr(xfer_guard, "_end_the_aborted_load", lambda scheduler, req_id: None)
+    wedged, _ = run_fixed(scenario, FIX)
+    assert wedged.world.scheduler._aborted_kv_loads == {"R"}
+    assert {s.status.get("S") for s in wedged.steps} == {None, "WAITING"}

@@ -57,12 +57,12 @@ SPEC = FixSpec(
         # what the failed-load path does with the report (read, not wrapped)
         Target(_SCHED, "Scheduler._update_waiting_for_remote_kv", "", "engine_core",
                {"d1d37947dfa81224": Shape("0.27.0-0.30.0", LEAVE), "d2d9b627bf867343": Shape("0.31.0", LEAVE),
-                "a265f9c1a34e7ce4": Shape("0.32.0-0.33.0", LEAVE)}),
+                "a265f9c1a34e7ce4": Shape("0.32.0-0.34.0", LEAVE)}),
         Target(_SCHED, "Scheduler._handle_invalid_blocks", "", "engine_core",
                {"c59b2c44da058139": Shape("0.27.0-0.30.0", LEAVE),
-                "e9c78cd2b60948ca": Shape("0.31.0-0.33.0", LEAVE)}),
+                "e9c78cd2b60948ca": Shape("0.31.0-0.34.0", LEAVE)}),
         Target(_SCHED, "Scheduler._handle_failed_recving", "", "engine_core",
-               {"5be57c8aabdbdbb9": Shape("0.30.0-0.33.0", LEAVE)}, may_be_absent=True),
+               {"5be57c8aabdbdbb9": Shape("0.30.0-0.34.0", LEAVE)}, may_be_absent=True),
     ),
     upstream="none yet: vLLM has no bound on a decode-side async KV load (to be filed with "
     "the scheduler-world reproduction)",
@@ -283,10 +283,11 @@ def _start_the_clock_of_new_loads(scheduler, state: _State, now: float, reported
     from vllm.v1.request import RequestStatus
 
     waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+    deferred = getattr(scheduler, "deferred_loads", None) or ()  # 0.33+: its load starts later
     for queue in _blocked_queues(scheduler):
         for request in queue:
             if request.status is waiting and request.request_id not in state.clock \
-                    and request.request_id not in reported:
+                    and request.request_id not in reported and request.request_id not in deferred:
                 state.clock.start(request.request_id, now,
                                   _chosen_connector(scheduler.connector, request.request_id))
     _report_evictions(state)
@@ -300,7 +301,7 @@ def _fail_the_load_past_the_bound(scheduler, state: _State, step: _Step, failure
     if request is None or req_id in reported:
         return
     if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-        _held_by_vllm(state, request, connector)
+        _held_by_vllm(scheduler, state, request, connector)
         return
     how = _failure_route(scheduler, state, req_id)
     groups = _quarantine_load_targets(scheduler, state, request)
@@ -328,15 +329,21 @@ def _blocked_queues(scheduler) -> tuple:
                              getattr(scheduler, "skipped_waiting", None)) if q)
 
 
-def _held_by_vllm(state: _State, request, connector: str) -> None:
+def _held_by_vllm(scheduler, state: _State, request, connector: str) -> None:
     """Aborted while its load runs: vLLM itself keeps the blocks until the transfer reports
-    (and frees them then), and no client waits. Counted and logged, nothing changed."""
+    (and frees them then); its client is gone. But on 0.34+ the load also holds one of the
+    ``max_num_inflight_kv_loads`` slots (``_aborted_kv_loads``) until it reports, and every
+    later async load waits for a slot: past the bound the slot is given back (the blocks stay
+    vLLM's until the report), so a transfer that never ends cannot stall the loads after it."""
+    aborted = getattr(scheduler, "_aborted_kv_loads", None)
+    if aborted is not None:
+        aborted.discard(request.request_id)
     _count(f"timed_out_{connector}")
     log.limited((FIX, "held_by_vllm", connector), "warning", "hotfix.load.timed_out", fix=FIX,
                 req_id=request.request_id, connector=connector, timeout_s=state.clock.timeout,
-                status=request.status.name, action="none: vLLM holds its blocks until the "
-                "transfer reports", reason=f"a finished request's async KV load not done within "
-                f"{TIMEOUT_VAR}={state.clock.timeout:g} s")
+                status=request.status.name, action="its in-flight load slot given back; vLLM "
+                "holds its blocks until the transfer reports", reason=f"a finished request's async "
+                f"KV load not done within {TIMEOUT_VAR}={state.clock.timeout:g} s")
 
 
 def _failure_route(scheduler, state: _State, req_id: str) -> str:

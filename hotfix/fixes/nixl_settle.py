@@ -47,19 +47,20 @@ SPEC = FixSpec(
         # Where the failure queue is filtered: the poll of the receive handles.
         Target(_WORKER, f"{_CLS}._pop_done_transfers", "settle_failed_reads", "worker",
                {"b9cb3121e5195644": Shape("0.27.0-0.29.0"),
-                "ef47a1051a14bd33": Shape("0.30.0-0.33.0 (returns the failed ids)", FIXED)}),
+                "ef47a1051a14bd33": Shape("0.30.0-0.34.0 (returns the failed ids)", FIXED)}),
         # Its caller: polls, then drains `_failed_recv_reqs`, then pops metadata and asserts.
         Target(_WORKER, f"{_CLS}.get_finished", "", "worker",
                {"f2e903941d812526": Shape("0.27.0-0.28.0", LEAVE), "9391f5b009a15407": Shape("0.29.0", LEAVE),
-                "2777e244d29c0f80": Shape("0.30.0-0.33.0 (delegates to get_transfer_results)", LEAVE)}),
+                "2777e244d29c0f80": Shape("0.30.0-0.34.0 (delegates to get_transfer_results)", LEAVE)}),
         # What queues a failure (and marks the blocks invalid) without looking at other handles.
         Target(_WORKER, f"{_CLS}._handle_failed_transfer", "", "worker",
                {"50134fb19c89ff3c": Shape("0.27.0-0.29.0", LEAVE), "9560b4fb1f2c26d3": Shape("0.30.0", LEAVE),
-                "73807639bc3b7812": Shape("0.31.0", LEAVE), "c2634ba0a6c48177": Shape("0.32.0-0.33.0", LEAVE)}),
+                "73807639bc3b7812": Shape("0.31.0", LEAVE), "c2634ba0a6c48177": Shape("0.32.0-0.34.0", LEAVE)}),
         # The upstream fix: failures held in `_recv_failures` until no handle is left.
         Target(_WORKER, f"{_CLS}.get_transfer_results", "", "worker",
                {"a8c23fc4e7a45672": Shape("0.30.0", FIXED), "2f4a36a8195d7c7d": Shape("0.31.0", FIXED),
-                "8d68354e00c5e145": Shape("0.32.0-0.33.0", FIXED)}, may_be_absent=True),
+                "8d68354e00c5e145": Shape("0.32.0-0.33.0", FIXED),
+                "a850cefa38a00afe": Shape("0.34.0", FIXED)}, may_be_absent=True),
     ),
     upstream="vLLM 0.30.0 NIXL worker: transfer failures held until the request has no "
     "outstanding handles (`_recv_failures`, `_pop_done_transfers` returns the failed ids)",

@@ -36,7 +36,7 @@ from hotfix.fixes._scheduler_shapes import UPDATE_FROM_OUTPUT
 from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
 
 _MC = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
-_ALL = "0.27.0-0.33.0"
+_ALL = "0.27.0-0.34.0"
 
 SPEC = FixSpec(
     id="recv-barrier",
@@ -63,10 +63,10 @@ SPEC = FixSpec(
                {"26ea26c57c649d98": Shape(_ALL)}),
         Target(_MC, "MultiConnector.get_finished", "release_when_all_loaders_done", "worker",
                {"01a2f54ef82852e4": Shape("0.27.0-0.29.0"),
-                "4669328ebd618eb8": Shape("0.30.0-0.33.0 (delegates to get_transfer_results)",
+                "4669328ebd618eb8": Shape("0.30.0-0.34.0 (delegates to get_transfer_results)",
                                           action=LEAVE)}),
         Target(_MC, "MultiConnector.get_transfer_results", "release_when_all_loaders_done",
-               "worker", {"efd21dc3e74b5952": Shape("0.30.0-0.33.0")}, may_be_absent=True),
+               "worker", {"efd21dc3e74b5952": Shape("0.30.0-0.34.0")}, may_be_absent=True),
     ),
     upstream="vllm-project/vllm#51595, #54240 (load plan + per-child drain in MultiConnector)",
     remove_when="MultiConnector tracks per-child load completion (a load plan shipped in "

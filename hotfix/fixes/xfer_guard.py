@@ -35,15 +35,17 @@ SPEC = FixSpec(
     targets=(
         Target(_SCHED, "Scheduler._update_from_kv_xfer_finished", "never_crash_on_completion_reports",
                "engine_core", {"258ebbc0d940084d": Shape("0.27.0-0.31.0"),
-                               "10edd450e3d6daa5": Shape("0.32.0-0.33.0")}),
+                               "10edd450e3d6daa5": Shape("0.32.0-0.33.0"),
+                               "340177406d94690e": Shape("0.34.0")}),
         Target(_SCHED, "Scheduler._free_request", "record_recv_hold", "engine_core",
                {"089bebeee85b5b65": Shape("0.27.0-0.30.0"), "5472117665cf9edd": Shape("0.31.0"),
-                "ea27e496d62572fd": Shape("0.32.0"), "dad394decfa6caf8": Shape("0.33.0")}),
+                "ea27e496d62572fd": Shape("0.32.0"), "dad394decfa6caf8": Shape("0.33.0"),
+                "c09359056358e874": Shape("0.34.0")}),
         Target(_SCHED, "Scheduler._connector_finished", "record_save_hold", "engine_core",
                {"9277683870127b9a": Shape("0.27.0-0.29.0"),
-                "ffa9ce548418c4d4": Shape("0.30.0-0.33.0")}),
+                "ffa9ce548418c4d4": Shape("0.30.0-0.34.0")}),
         Target(_SCHED, "Scheduler._free_blocks", "forget_holds_when_freed", "engine_core",
-               {"e4bd589cacadf6d4": Shape("0.27.0-0.33.0")}),
+               {"e4bd589cacadf6d4": Shape("0.27.0-0.34.0")}),
     ),
     upstream="vllm-project/vllm#56089 (refcounted delayed frees); #53079, #56194 (late reports)",
     remove_when="the scheduler counts delayed-free holders and no longer asserts on stale "
@@ -109,6 +111,8 @@ def _triage(scheduler, recving, sending):
         elif RequestStatus.is_finished(request.status):  # case 2 (and 8)
             if _released(ledger, req_id, RECV, request, "finished_recving", problems):
                 keep_recv.add(req_id)
+            else:
+                _end_the_aborted_load(scheduler, req_id)
         else:  # case 4: live request; another loader may have written its blocks
             problems.append(_unexpected("recv_live", req_id, request.status, "finished_recving",
                                         note="KV of this request may be corrupt"))
@@ -122,6 +126,16 @@ def _triage(scheduler, recving, sending):
         elif _released(ledger, req_id, SAVE, request, "finished_sending", problems):  # case 5 (8)
             keep_send.add(req_id)
     return keep_recv, keep_send, problems
+
+
+def _end_the_aborted_load(scheduler, req_id: str) -> None:
+    """The load of an aborted request ended, though its blocks stay held (an async save): free
+    its in-flight slot as vLLM does when it sees the report itself (0.34+:
+    ``_aborted_kv_loads`` counts against ``max_num_inflight_kv_loads``; kept, it is a leak
+    and, under the cap, every later async load waits for ever)."""
+    aborted = getattr(scheduler, "_aborted_kv_loads", None)
+    if aborted is not None:
+        aborted.discard(req_id)
 
 
 def _released(ledger, req_id, party, request, kind, problems) -> bool:

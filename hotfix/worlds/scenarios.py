@@ -41,6 +41,7 @@ class Scenario:
     unpatched_ranks: tuple[int, ...] = ()
     sliding_window: int | None = None
     kv_load_failure_policy: str = "fail"
+    max_num_inflight_kv_loads: int | None = None  # vLLM 0.34+ only; see World
 
     def run(self) -> RunResult:
         world = World(
@@ -53,6 +54,7 @@ class Scenario:
             prefix_caching=self.prefix_caching,
             sliding_window=self.sliding_window,
             kv_load_failure_policy=self.kv_load_failure_policy,
+            max_num_inflight_kv_loads=self.max_num_inflight_kv_loads,
         )
         return world.run(self.timeline, until=self.until, grace=self.grace)
 
@@ -320,4 +322,20 @@ LOADS_WITHIN_THE_BOUND = Scenario(
 # The client leaves while the READ hangs: vLLM keeps R's blocks until NIXL reports (at 9).
 ABORT_WHILE_READ_PAST_THE_BOUND = Scenario(
     (nixl_pull(),), (BYSTANDER, REMOTE_ONLY_R, Abort(1, "R"), PAST_THE_BOUND, LoadDone(9, "R", "nixl"))
+)
+
+# vLLM 0.34+ with --max-num-inflight-kv-loads 1: an aborted load holds the one in-flight slot
+# until it reports (`_aborted_kv_loads`), so S's async load waits for R's report...
+ONE_INFLIGHT_LOAD = 1
+# ... which hangs past the bound (stock: S waits for the report at 9) ...
+ABORT_WHILE_READ_PAST_THE_BOUND_THEN_S = Scenario(
+    (nixl_pull(),), ABORT_WHILE_READ_PAST_THE_BOUND.timeline + (
+        Arrive(3, "S", remote_prefill=True, max_tokens=2), LoadDone(5, "S", "nixl")),
+    max_num_inflight_kv_loads=ONE_INFLIGHT_LOAD, grace=20,
+)
+# ... or comes while an async save still holds R's blocks (D4: stock dies on the report).
+ABORT_NIXL_FIRST_ALL_SAVED_THEN_S = Scenario(
+    NIXL_AND_SAVING_CACHE, ABORT_NIXL_FIRST_ALL_SAVED.timeline + (
+        Arrive(6, "S", remote_prefill=True, max_tokens=2), LoadDone(8, "S", "nixl"), SaveDone(11, "S", "lmc")),
+    max_num_inflight_kv_loads=ONE_INFLIGHT_LOAD, grace=20,
 )

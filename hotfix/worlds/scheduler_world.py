@@ -156,6 +156,26 @@ FAILED_RECVS_SUPPORTED = any(
     f.name == "failed_recving" for f in dataclasses.fields(KVConnectorOutput)
 )
 
+# vLLM 0.34+ can cap the async KV loads in flight (SchedulerConfig.max_num_inflight_kv_loads).
+INFLIGHT_LIMIT_SUPPORTED = any(f.name == "max_num_inflight_kv_loads" for f in dataclasses.fields(SchedulerConfig))
+
+
+def _inflight_limit(limit: int | None) -> int | None:
+    if limit is not None and not INFLIGHT_LIMIT_SUPPORTED:
+        raise ValueError("max_num_inflight_kv_loads: this vLLM has no cap on in-flight KV loads "
+                         "(SchedulerConfig.max_num_inflight_kv_loads, vLLM 0.34+)")
+    return limit
+
+# vLLM 0.27-0.33's ModelRunnerOutput carries req_id_to_index; 0.34 reads the row from req_ids.
+_OUTPUT_HAS_INDEX = any(f.name == "req_id_to_index" for f in dataclasses.fields(ModelRunnerOutput))
+
+
+def runner_output(req_ids=(), **fields) -> ModelRunnerOutput:
+    """A worker's ModelRunnerOutput for ``req_ids`` (in batch order), on every release."""
+    if _OUTPUT_HAS_INDEX:
+        fields["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=list(req_ids), **fields)
+
 
 DRIVEN_CLASSES = (
     Scheduler,
@@ -362,6 +382,10 @@ class World:
     block pool, as vLLM's hybrid allocator lays out Gemma-/Mistral-style models.
     NIXL then pulls per group and clips the sliding-window group to its window.
 
+    `max_num_inflight_kv_loads=1` (vLLM 0.34+, `--max-num-inflight-kv-loads`) caps the
+    async KV loads in flight, aborted ones whose transfer has not reported counted in: a
+    request past the cap waits in `async_kv_waiting` (status WAITING) for a slot.
+
     `unpatched_ranks=(1,)` models worker ranks our hotfix did not reach (Ray
     workers without our PYTHONPATH, a worker-side revert): there the world calls
     MultiConnector's own worker methods (not our wrappers, which are on the
@@ -385,9 +409,11 @@ class World:
         unpatched_ranks: Iterable[int] = (),
         sliding_window: int | None = None,
         kv_load_failure_policy: str = "fail",
+        max_num_inflight_kv_loads: int | None = None,
     ) -> None:
         self.children = list(children)
         self.kv_load_failure_policy = kv_load_failure_policy
+        self.max_num_inflight_kv_loads = _inflight_limit(max_num_inflight_kv_loads)
         self.tp = tp
         self.pp = pp
         self.unpatched_ranks = frozenset(unpatched_ranks)
@@ -500,6 +526,8 @@ class World:
         # The CPU platform turns async scheduling off; a GPU decode node runs
         # with it on, which is what this flag reproduces.
         config.scheduler_config.async_scheduling = async_scheduling
+        if self.max_num_inflight_kv_loads is not None:
+            config.scheduler_config.max_num_inflight_kv_loads = self.max_num_inflight_kv_loads
         config.cache_config.num_gpu_blocks = self.num_blocks
         return config
 
@@ -683,7 +711,8 @@ class World:
             self._observe()
             self._record.scheduled = dict(scheduler_output.num_scheduled_tokens)
             self._record.deferred_loads = frozenset(getattr(self.scheduler, "deferred_loads", ()))
-            self._record.common_prefix = tuple(scheduler_output.num_common_prefix_blocks or ())
+            # 0.34 dropped the field (cascade attention's common prefix was gone since 0.32)
+            self._record.common_prefix = tuple(getattr(scheduler_output, "num_common_prefix_blocks", None) or ())
             (self._record.common_prefix_by_holders,
              self._record.common_prefix_by_ref_cnt) = self.common_prefix_readings()
             holdings = self.holdings()
@@ -797,9 +826,8 @@ class World:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled = [self._sample(req_id) for req_id in req_ids]
         outputs = [
-            ModelRunnerOutput(
-                req_ids=list(req_ids),
-                req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            runner_output(
+                req_ids,
                 sampled_token_ids=[list(tokens) for tokens in sampled],
                 kv_connector_output=self._call(
                     f"worker[{rank}]", self._worker_connector_step,
