@@ -10,7 +10,7 @@ from __future__ import annotations
 import _thread  # not `threading`: its import alone costs ~8 ms in every Python process
 import os
 
-__version__ = "0.1.0"
+from hotfix._version import __version__  # noqa: F401 - the package's public version
 
 _lock = _thread.allocate_lock()
 

@@ -15,11 +15,10 @@ import sys
 
 import hotfix
 from hotfix import config, fingerprint, registry
+from hotfix.dist_info import PLUGIN, PLUGIN_GROUP, write_dist_info
 
 APPLYING = ("known_shape", "forced")
 FINE = APPLYING + ("fixed_upstream",)  # the installed vLLM needs no patch for that fix
-PLUGIN = "hotfix"
-PLUGIN_GROUP = "vllm.general_plugins"
 
 
 def _home() -> str:
@@ -95,7 +94,7 @@ def status_report() -> dict:
         problems.append("deps: wrapt>=2.4,<3 and structlog are needed (install or `hotfix bundle`)")
     return {
         "hotfix_version": hotfix.__version__,
-        "vllm": {"version": registry.vllm_version(), "path": fingerprint.package_root("vllm")},
+        "vllm": {"version": fingerprint.vllm_version(), "path": fingerprint.package_root("vllm")},
         "strict": config.strict(),
         "fixes": [d.as_dict() for d in decisions],
         "injection": inj,
@@ -203,19 +202,6 @@ def cmd_status(args) -> int:
     else:
         _print_status(report)
     return 0 if report["ready"] else 1
-
-
-def write_dist_info(dest: str) -> str:
-    """A minimal dist-info: ``importlib.metadata`` finds our plugin entry point on PYTHONPATH."""
-    info = os.path.join(dest, f"vllm_hotfix-{hotfix.__version__}.dist-info")
-    os.makedirs(info, exist_ok=True)
-    with open(os.path.join(info, "METADATA"), "w") as fh:
-        fh.write(f"Metadata-Version: 2.1\nName: vllm-hotfix\nVersion: {hotfix.__version__}\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as fh:
-        fh.write(f"[{PLUGIN_GROUP}]\n{PLUGIN} = hotfix.plugin:register\n")
-    with open(os.path.join(info, "top_level.txt"), "w") as fh:
-        fh.write("hotfix\nsitecustomize\n")
-    return info
 
 
 def cmd_bundle(args) -> int:

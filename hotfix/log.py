@@ -42,9 +42,9 @@ def role() -> str:
 
 def _vllm_version() -> str:
     try:
-        from hotfix import registry
+        from hotfix import fingerprint
 
-        return registry.vllm_version() or "absent"
+        return fingerprint.vllm_version() or "absent"
     except Exception:
         return "unknown"
 
@@ -56,7 +56,8 @@ def _process_fields(_logger, _method, event_dict):
 
 
 def _build(fmt: str):
-    from hotfix import __version__, _deps
+    from hotfix import _deps
+    from hotfix._version import __version__
 
     stdlib_logger = logging.getLogger(LOGGER_NAME)
     structlog = _deps.structlog()
@@ -93,11 +94,24 @@ def _structlog_logger(structlog, stdlib_logger, fmt: str):
     )
 
 
+def _console_until_told() -> str:
+    return "console"
+
+
+_format_of_this_process = _console_until_told  # the config hands in its reader (read_format_with)
+
+
+def read_format_with(read_format) -> None:
+    """``read_format()`` gives ``HOTFIX_LOG_FORMAT``'s value: handed in by the config layer,
+    which logs through us (a bad value), so that we never import it."""
+    global _format_of_this_process
+    _format_of_this_process = read_format
+
+
 def _logger():
     global _bound, _bound_format
-    from hotfix import config
 
-    fmt = config.log_format()  # outside the lock: an invalid value logs through us
+    fmt = _format_of_this_process()  # outside the lock: an invalid value logs through us
     with _lock:
         if _bound is None or _bound_format != fmt:
             _bound, _bound_format = _build(fmt), fmt

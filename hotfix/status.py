@@ -23,7 +23,7 @@ import threading
 import time
 from collections import Counter
 
-from hotfix import forksafe
+from hotfix import fingerprint, forksafe
 
 FLUSH_INTERVAL_S = 1.0
 #: counters are keyed by (fix, kind), a fixed vocabulary; beyond this many keys a new one is
@@ -99,10 +99,19 @@ def _scheduled_flush() -> None:
         pass
 
 
-def _flush() -> None:
-    from hotfix import registry
+def _activation_of_this_process():
+    return None  # until the registry hands its getter in (write_records_of)
 
-    act = registry.activation()
+
+def write_records_of(activation) -> None:
+    """``activation()`` gives this process's activation (the registry's): the records' source,
+    handed in so that the status layer never imports the registry above it."""
+    global _activation_of_this_process
+    _activation_of_this_process = activation
+
+
+def _flush() -> None:
+    act = _activation_of_this_process()
     if act is not None:
         write(act)
 
@@ -177,14 +186,13 @@ _versions: dict = {}  # the installed vLLM's version, read once (importlib.metad
 
 def _vllm_version():
     if "vllm" not in _versions:
-        from hotfix import registry
-
-        _versions["vllm"] = registry.vllm_version()
+        _versions["vllm"] = fingerprint.vllm_version()
     return _versions["vllm"]
 
 
 def snapshot(act) -> dict:
-    from hotfix import __version__, log
+    from hotfix import log
+    from hotfix._version import __version__
 
     fixes = act.snapshot()
     for fix, reason in degraded().items():
@@ -215,10 +223,8 @@ def snapshot(act) -> dict:
 def write(act) -> None:
     """Write this process's status file; best effort (a read-only /tmp must not matter)."""
     global _last_flush
-    from hotfix import config
-
     global _snapshots, _written
-    directory = config.status_dir()
+    directory = directory_of_this_instance()
     with _lock:
         _snapshots += 1
         mine = _snapshots
@@ -283,11 +289,9 @@ def _on_exit() -> None:
     global _exited_at
     if _exited_at is not None:
         return
-    from hotfix import registry
-
     _exited_at = time.time()
     try:
-        act = registry.activation()
+        act = _activation_of_this_process()
         if act is None:
             return
         write(act)
@@ -297,9 +301,7 @@ def _on_exit() -> None:
 
 
 def _prune_exited() -> None:
-    from hotfix import config
-
-    directory = config.status_dir()
+    directory = directory_of_this_instance()
     exited = [r for r in read_all(directory) if r.get("exited_at") or not pid_alive(r["pid"])]
     exited.sort(key=lambda r: r.get("exited_at") or r.get("written_at") or 0)
     for record in exited[:max(0, len(exited) - KEEP_EXITED)]:
@@ -307,6 +309,14 @@ def _prune_exited() -> None:
             os.unlink(os.path.join(directory, f"{record['pid']}.json"))
         except OSError:
             pass
+
+
+def directory_of_this_instance() -> str:
+    """``HOTFIX_STATUS_DIR``, else this process's vLLM instance's directory under the temp dir."""
+    explicit = os.environ.get("HOTFIX_STATUS_DIR")
+    if explicit:
+        return explicit
+    return os.path.join(instance_root(), instance())
 
 
 def instance_root() -> str:

@@ -79,6 +79,14 @@ def run_py(code: str, *, path=(), env=None, flags=(), timeout=120, cwd=NEUTRAL_C
                           text=True, timeout=timeout, cwd=cwd)
 
 
+def build_bundle(dest: Path) -> Path:
+    """``python -m hotfix bundle DEST`` from this checkout, as an operator builds it."""
+    proc = subprocess.run([sys.executable, "-m", "hotfix", "bundle", str(dest)], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return dest
+
+
 def last_json(proc: subprocess.CompletedProcess):
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """The example alerting rules (hotfix/prometheus-alerts.yml) parse and name only series the
 hotfix (or vLLM) exports. promtool is not on the package registries CI can reach, so its
-``check rules`` is left to operators (README); these checks stand in for it."""
+``check rules`` is left to operators (docs/operating.md); these checks stand in for it."""
 from __future__ import annotations
 
 import re

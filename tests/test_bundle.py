@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, REPO, clean_env, last_json, run_py
+from conftest import FIXTURES, build_bundle, clean_env, last_json, run_py
 
 PROBE = textwrap.dedent("""
     import json, sys
@@ -41,11 +41,7 @@ TEST_TOOLS = ("pytest", "_pytest", "py", "pluggy", "iniconfig", "hypothesis", "_
 @pytest.fixture(scope="module")
 def shipped_bundle(tmp_path_factory):
     """The bundle exactly as ``python -m hotfix bundle`` lays it out."""
-    dest = tmp_path_factory.mktemp("bundle") / "vllm-hotfix"
-    proc = subprocess.run([sys.executable, "-m", "hotfix", "bundle", str(dest)], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return dest
+    return build_bundle(tmp_path_factory.mktemp("bundle") / "vllm-hotfix")
 
 
 @pytest.fixture(scope="module")

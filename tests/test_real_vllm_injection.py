@@ -5,7 +5,7 @@ import textwrap
 
 from conftest import install_home, last_json, run_py
 
-from hotfix import cli
+from hotfix import dist_info
 
 PROBE = textwrap.dedent("""
     import json, sys
@@ -34,7 +34,7 @@ def test_real_vllm_is_patched_through_pythonpath_alone(tmp_path):
 
 def test_real_vllm_loads_the_plugin_entry_point_from_a_pythonpath_dist_info(tmp_path):
     home = install_home(tmp_path / "home", fixes=("real_probe",), shim=False)
-    cli.write_dist_info(str(home))
+    dist_info.write_dist_info(str(home))
     prelude = "from vllm.plugins import load_general_plugins; load_general_plugins()"
     proc = run_py(PROBE.format(prelude=prelude), path=[home], timeout=300)
     assert last_json(proc) == {"activated_by": "vllm_plugin", "wrapped_by": "real-probe",

@@ -69,7 +69,7 @@ def test_a_changed_target_is_new_and_diffed_against_the_closest_known_shape(new_
     changed = rows[TARGET]
     assert changed["verdict"] == "new" and changed["needs_work"]
     closest = changed["closest"]
-    assert closest["release"] == registry.vllm_version() and closest["similarity"] > 0.9
+    assert closest["release"] == fingerprint.vllm_version() and closest["similarity"] > 0.9
     assert f"+{ADDED}\n" in closest["diff"] and f"{NEW_VERSION}/vllm/{SCHEDULER}" in closest["diff"]
     same_file = [r for key, r in rows.items() if key.startswith("vllm.v1.core.sched.scheduler:") and key != TARGET]
     assert same_file and all(not r["needs_work"] for r in same_file), same_file
@@ -94,7 +94,7 @@ def test_the_text_report_names_what_to_read(new_release, installed, capsys):
     code, out = shapes(capsys, new_release, "--against", installed)
     assert code == 1
     assert f"xfer-guard  {TARGET} [engine_core]" in out
-    assert "closest known shape: " + registry.vllm_version() in out and f"+{ADDED}" in out
+    assert "closest known shape: " + fingerprint.vllm_version() in out and f"+{ADDED}" in out
 
 
 def test_a_directory_that_is_not_vllm_is_one_clear_line(tmp_path, capsys):

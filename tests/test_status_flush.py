@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hotfix import registry, status
+from hotfix import status
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def status_file(tmp_path, monkeypatch):
     monkeypatch.setenv("HOTFIX_STATUS_DIR", str(tmp_path))
     monkeypatch.setattr(status, "FLUSH_INTERVAL_S", 0.3)
     act = SimpleNamespace(source="test", snapshot=lambda: {})
-    monkeypatch.setattr(registry, "activation", lambda: act)
+    monkeypatch.setattr(status, "_activation_of_this_process", lambda: act)
     status._flush_scheduled = False  # a timer of an earlier test may be pending
     monkeypatch.setattr(status, "_exited_at", None)
     # this process's own maps: earlier tests may have filled the counters to MAX_KEYS
@@ -100,7 +100,7 @@ def test_a_timer_record_taken_before_a_degrade_never_replaces_the_degraded_one(s
     """The timer took its record, then a half degraded and wrote its own; the timer's, older,
     must not land last (the file said applied for a fix running stock, until the next write)."""
     act = SimpleNamespace(source="test", snapshot=lambda: {"pull-pin": {"state": "applied", "reason": ""}})
-    monkeypatch.setattr(registry, "activation", lambda: act)
+    monkeypatch.setattr(status, "_activation_of_this_process", lambda: act)
     monkeypatch.setattr(status, "_degraded", {})
     real, taken, go = status.snapshot, threading.Event(), threading.Event()
 

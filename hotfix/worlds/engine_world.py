@@ -357,10 +357,10 @@ def _python_path(variant: str, work: Path) -> list[Path]:
     if variant == PYTHONPATH:
         return [hotfix_home(work / "home"), connectors_root]
     if variant == PLUGIN:
-        from hotfix import cli
+        from hotfix import dist_info
 
         home = hotfix_home(work / "home", shim=False)
-        cli.write_dist_info(str(home))
+        dist_info.write_dist_info(str(home))
         return [home, connectors_root]
     raise ValueError(f"unknown variant {variant!r}")
 

@@ -57,7 +57,8 @@ START_TIMEOUT_S = 600.0
 # interval). On this oversubscribed 2-core box notifications were lost often enough to add
 # seconds to a round; 1 s bounds each loss, and the EngineCore then logs every second it waits
 # ("No available shared memory broadcast block found"), which the serving benchmark counts.
-# Longer waits remain in some rounds (tens of seconds, the worker not answering): README.
+# Longer waits remain in some rounds (tens of seconds, the worker not answering):
+# docs/benchmarks.md, "Overhead on healthy traffic".
 RINGBUFFER_RECHECK_S = "1"
 REQUEST_TIMEOUT_S = 180.0
 READ_DELAY_S = 2.0
