@@ -21,6 +21,7 @@ import pytest
 
 from conftest import clean_env, install_home
 from hotfix import status
+from hotfix.worlds.serving_world import RINGBUFFER_RECHECK_S
 from hotfix.worlds.pd_world import (
     VOCAB_SIZE,
     PDWorld,
@@ -34,7 +35,11 @@ from hotfix.worlds.pd_world import (
 )
 
 BOUND_S = 15.0  # HOTFIX_LOAD_TIMEOUT_S on the bounded decodes; a warm READ here takes < 1 s
-SLACK_S = 15.0  # the engine notices the bound at its next step; a loaded 2-core box is slow
+# The engine notices the bound at its next step, and a step can take seconds here: vLLM's worker
+# re-reads the EngineCore's ring buffer only every 5 s after a lost wake-up (py-spy: EngineCore
+# and worker both waiting to read; 4-12 s steps while P was stopped, 1 in ~4 runs); recompute then
+# prefills and decodes on a loaded 2-core box.
+SLACK_S = 30.0
 MAX_TOKENS = 8
 LATE_REPORT_TIMEOUT_S = 120.0
 
@@ -48,7 +53,9 @@ def prompt(seed: int, length: int = 90) -> list[int]:
 def pd(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-hung")
     home = install_home(root / "hotfix-home", fixes=())
-    bounded = {"HOTFIX_LOAD_TIMEOUT_S": str(BOUND_S)}
+    # the EngineCore's side of a lost wake-up re-reads after 1 s instead of 5 s (the worker's
+    # side stays 5 s: vLLM's SHM_READER_RECHECK_INTERVAL_MS)
+    bounded = {"HOTFIX_LOAD_TIMEOUT_S": str(BOUND_S), "VLLM_RINGBUFFER_WARNING_INTERVAL": RINGBUFFER_RECHECK_S}
     with PDWorld(root, build_model(root / "model"), clean_env()) as world:
         prefill = world.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False})
         decodes = {
