@@ -13,7 +13,8 @@
 #    and a hub cache with config-only snapshots of the models the tests name
 #    (.ci/hf_config_cache.py; HF_HUB_OFFLINE=1, no model hub is reachable);
 # 2. installs the test deps vLLM's CPU test requirements pin (.ci/legs/vllm-unit.deps) into the
-#    venv and fails if that would move any distribution already there (torch, numpy, ...);
+#    venv (one the venv already holds stays at the venv's version) and fails if that would move
+#    any distribution already there (torch, numpy, ...);
 # 3. runs the selection (.ci/legs/vllm-unit.tests) twice from that directory, the two runs side
 #    by side (HOTFIX_UNIT_SERIAL=1: one after the other), each one test at a time, full
 #    outcomes (no -x), pytest-timeout per test:
@@ -57,6 +58,12 @@ SERIAL=${HOTFIX_UNIT_SERIAL:-0}
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", b - a }'; }
 lines() { grep -v '^\s*\(#\|$\)' "$1" | sed 's/\s\+#.*//'; }
+# pinned NAME FILE: FILE's `name==version` line for NAME (names compared as pip does: case and
+# -_. alike), as `name==version`; empty if none
+pinned() {
+  awk -v want="$1" 'function norm(n) { n = tolower(n); gsub(/[-_.]+/, "-", n); return n }
+    { split($1, p, "=="); if (p[2] != "" && norm(p[1]) == norm(want)) { print p[1] "==" p[2]; exit } }' "$2"
+}
 T0=$(now)
 echo "== leg $LEG: vLLM $VERSION's unit tests, stock vs hotfix (venv $VENV)"
 "$PY" - "$VERSION" <<'PYEOF'
@@ -90,8 +97,8 @@ mapfile -t NAMES < <(lines .ci/legs/vllm-unit.deps)
 SPECS=()
 KEPT=()
 for name in "${NAMES[@]}"; do
-  pin=$(grep -i -m1 "^${name}==" "$WORK/src/requirements/test/cpu.txt" | sed 's/\s.*//' || true)
-  have=$(grep -i -m1 "^${name}==" "$WORK/freeze-before.txt" || true)
+  pin=$(pinned "$name" "$WORK/src/requirements/test/cpu.txt")
+  have=$(pinned "$name" "$WORK/freeze-before.txt")
   if [ -n "$have" ] && [ "${have,,}" != "${pin,,}" ]; then
     KEPT+=("$have (vLLM pins ${pin:-none})")
     pin=$have
@@ -131,18 +138,31 @@ T2=$(now)
 
 # ------------------------------------------------------------------------------ two runs
 # The selection, less what .ci/legs/LEG.skip leaves out for this release (one path per line,
-# with its reason) and any file this release's sdist does not have.
+# with its reason). A selected file this release's sdist lacks fails the leg (an upstream
+# rename must not shrink the gate unseen): list it in LEG.skip.
 SELECTION=()
 SKIP=.ci/legs/$LEG.skip
+SKIPPED=()
+[ -f "$SKIP" ] && mapfile -t SKIPPED < <(lines "$SKIP" | sed 's/\s*$//')
+bad=0
 while read -r path; do
-  if [ -f "$SKIP" ] && grep -qxF "$path" <(lines "$SKIP"); then
+  if [ "${#SKIPPED[@]}" -gt 0 ] && grep -qxF "$path" < <(printf '%s\n' "${SKIPPED[@]}"); then
     echo "   left out on $VERSION: $path ($SKIP)"
   elif [ ! -e "$WORK/src/${path%%::*}" ]; then
-    echo "   not in vLLM $VERSION's sdist: $path"
+    echo "   not in vLLM $VERSION's sdist: $path (list it in $SKIP to leave it out)" >&2
+    bad=1
   else
     SELECTION+=("$path")
   fi
 done < <(lines "${HOTFIX_UNIT_TESTS:-.ci/legs/vllm-unit.tests}")
+for path in "${SKIPPED[@]}"; do
+  grep -qxF "$path" <(lines "${HOTFIX_UNIT_TESTS:-.ci/legs/vllm-unit.tests}") \
+    || echo "   $SKIP: $path is not in the selection (nothing left out)" >&2
+done
+if [ "${#SELECTION[@]}" -eq 0 ]; then
+  echo "   empty selection: nothing to compare" >&2
+  exit 1
+fi
 # A clean environment for both: no PYTHONPATH, no HOTFIX_* (the hotfix run gets the caller's
 # fix toggles back below).
 TOGGLES=()
@@ -175,7 +195,6 @@ run() {  # run NAME ENV... : one pytest run from the sdist directory; prints its
   case $rc in 0|1) ;; *) echo "   $name run: pytest did not complete (exit $rc)" >&2; return 1;; esac
 }
 
-bad=0
 # Stock must not see us: not importable from there, no plugin entry point, no status file.
 (cd "$WORK/src" && "${CLEAN[@]}" "$PY" -c '
 import importlib.metadata as md, importlib.util, sys

@@ -72,8 +72,18 @@ def pd(tmp_path_factory):
         for decode in decodes.values():
             warm_up(prefill, decode)
         for name in ("fail", "recompute"):  # a first contact slower than the bound timed out:
-            assert once_written(root, name, quarantined, 0) == 0  # its READ ended (blocks back)
+            wait_until_every_timed_out_load_reported(root, name)  # its READ ends, blocks back
         yield root, prefill, decodes
+
+
+def wait_until_every_timed_out_load_reported(root: Path, name: str) -> None:
+    deadline = time.monotonic() + LATE_REPORT_TIMEOUT_S
+    while True:
+        timed_out, late, held = settled(root, name, lambda r: (
+            counted(r, "timed_out_nixl"), counted(r, "late_report"), quarantined(r)))
+        if timed_out == late and held == 0:
+            return
+        assert time.monotonic() < deadline, (name, timed_out, late, held)
 
 
 def load_bound_records(root: Path, name: str) -> list[dict]:
@@ -153,9 +163,12 @@ def test_a_hung_prefill_ends_each_bounded_request_within_the_bound_and_every_blo
     for name in ("fail", "recompute"):
         decode = decodes[name]
         deadline = time.monotonic() + LATE_REPORT_TIMEOUT_S
-        while "hotfix.load.late_report" not in decode.log() or not decode.reset_prefix_cache():
+        late_reported = before[name]["late_report"] + 1  # (its log line is rate-limited: counted)
+        while counted(load_bound_records(root, name), "late_report") < late_reported \
+                or not decode.reset_prefix_cache():
             assert time.monotonic() < deadline, f"{name}: late report or blocks missing\n{decode.log_tail()}"
             time.sleep(2)
+        assert "hotfix.load.late_report" in decode.log()
         assert decode.alive() and "AssertionError" not in decode.log()
         after = prompt(90 + len(name))
         assert transfer(prefill, decode, after, MAX_TOKENS) == \
