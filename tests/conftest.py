@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,23 @@ def require_release(version: str) -> Path:
         missing_install(f"lmcache {version} is not under {LMCACHE_ROOT} (.ci/leg.sh installs it)",
                         "HOTFIX_REQUIRE_LMCACHE")
     return path
+
+
+def settled_status(read, want=lambda value: True, timeout_s: float = 20.0):
+    """``read()`` of status files once ``want`` holds and two reads a flush interval and a half
+    apart agree (or at the deadline): a count or gauge is written by a timer up to one flush
+    interval after it changed, later on a busy 2-core box, so one read right after an event can
+    still show the value before it."""
+    from hotfix import status
+
+    deadline = time.monotonic() + timeout_s
+    last = read()
+    while True:
+        time.sleep(status.FLUSH_INTERVAL_S * 1.5)
+        now = read()
+        if (now == last and want(now)) or time.monotonic() > deadline:
+            return now
+        last = now
 
 
 def missing_install(message: str, required_by: str) -> None:

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, install_home, marked_by_selected_tests
-from hotfix import status
+from conftest import clean_env, install_home, marked_by_selected_tests, settled_status
 from hotfix.fixes.lease_guard import DEADLINE_KEY
 from hotfix.worlds.pd_world import (
     BLOCK_SIZE,
@@ -357,19 +356,10 @@ def lease_counters(pd: Engines) -> dict:
     return total
 
 
-def settled_lease_counters(pd: Engines, want=lambda counters: True, timeout_s: float = 20.0) -> dict:
-    """The counters once every process's status file caught up: a count is written by a timer
-    up to one flush interval later (later still when the worker is busy on a slow machine), so
-    a single read can miss the last test's or this test's count. Settled = ``want`` holds and
-    two reads one flush interval and a half apart agree."""
-    deadline = time.monotonic() + timeout_s
-    last = lease_counters(pd)
-    while True:
-        time.sleep(status.FLUSH_INTERVAL_S * 1.5)
-        now = lease_counters(pd)
-        if (now == last and want(now)) or time.monotonic() > deadline:
-            return now
-        last = now
+def settled_lease_counters(pd: Engines, want=lambda counters: True) -> dict:
+    """The counters once every process's status file caught up (this test's count and the
+    last test's)."""
+    return settled_status(lambda: lease_counters(pd), want)
 
 
 def lease_delta(before: dict, after: dict) -> dict:

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, install_home
-from hotfix import status
-from hotfix.worlds.serving_world import RINGBUFFER_RECHECK_S
+from conftest import clean_env, install_home, settled_status
 from hotfix.worlds.pd_world import (
     VOCAB_SIZE,
+    RINGBUFFER_RECHECK_S,
     PDWorld,
     Request,
     build_model,
@@ -42,6 +41,7 @@ BOUND_S = 15.0  # HOTFIX_LOAD_TIMEOUT_S on the bounded decodes; a warm READ here
 SLACK_S = 30.0
 MAX_TOKENS = 8
 LATE_REPORT_TIMEOUT_S = 120.0
+KINDS = ("timed_out_nixl", "late_report")
 
 
 def prompt(seed: int, length: int = 90) -> list[int]:
@@ -77,49 +77,19 @@ def pd(tmp_path_factory):
 
 
 def wait_until_every_timed_out_load_reported(root: Path, name: str) -> None:
-    deadline = time.monotonic() + LATE_REPORT_TIMEOUT_S
-    while True:
-        timed_out, late, held = settled(root, name, lambda r: (
-            counted(r, "timed_out_nixl"), counted(r, "late_report"), quarantined(r)))
-        if timed_out == late and held == 0:
-            return
-        assert time.monotonic() < deadline, (name, timed_out, late, held)
+    counts, held = settled_status(
+        lambda: load_bound_state(root, name),
+        lambda now: now[0]["timed_out_nixl"] == now[0]["late_report"] and now[1] == 0,
+        timeout_s=LATE_REPORT_TIMEOUT_S)
+    assert counts["timed_out_nixl"] == counts["late_report"] and held == 0, (name, counts, held)
 
 
-def load_bound_records(root: Path, name: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in (root / f"status-{name}").glob("*.json")]
-
-
-def once_written(root: Path, name: str, read, want, timeout_s: float = 20.0):
-    """``read(records)`` once the status files show ``want`` (or at the deadline): counts and
-    gauges are written by a timer up to one flush interval after they changed (later on a busy
-    2-core box), so a read right after the event can still see the value before it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        now = read(load_bound_records(root, name))
-        if now == want or time.monotonic() > deadline:
-            return now
-        time.sleep(status.FLUSH_INTERVAL_S * 1.5)
-
-
-def settled(root: Path, name: str, read, timeout_s: float = 20.0):
-    """``read(records)`` once two reads a flush interval and a half apart agree."""
-    deadline = time.monotonic() + timeout_s
-    last = read(load_bound_records(root, name))
-    while True:
-        time.sleep(status.FLUSH_INTERVAL_S * 1.5)
-        now = read(load_bound_records(root, name))
-        if now == last or time.monotonic() > deadline:
-            return now
-        last = now
-
-
-def counted(records: list[dict], kind: str) -> int:
-    return sum(r["counters"].get("load-bound", {}).get(kind, 0) for r in records)
-
-
-def quarantined(records: list[dict]) -> int:
-    return sum(r["gauges"].get("load-bound", {}).get("blocks_quarantined_now", 0) for r in records)
+def load_bound_state(root: Path, name: str) -> tuple[dict, int]:
+    """load-bound's counts of ``KINDS`` and its quarantine gauge, summed over the decode's
+    status files."""
+    records = [json.loads(p.read_text()) for p in (root / f"status-{name}").glob("*.json")]
+    counts = {kind: sum(r["counters"].get("load-bound", {}).get(kind, 0) for r in records) for kind in KINDS}
+    return counts, sum(r["gauges"].get("load-bound", {}).get("blocks_quarantined_now", 0) for r in records)
 
 
 def test_a_hung_prefill_ends_each_bounded_request_within_the_bound_and_every_block_comes_back(pd):
@@ -129,9 +99,7 @@ def test_a_hung_prefill_ends_each_bounded_request_within_the_bound_and_every_blo
     requests = {name: decode_request(prefill, t, MAX_TOKENS, False) for name, t in tokens.items()}
 
     # the counts so far: on a busy box a warm-up's first contact can take longer than the bound
-    kinds = ("timed_out_nixl", "late_report")
-    before = {name: {kind: settled(root, name, lambda r: counted(r, kind)) for kind in kinds}
-              for name in ("fail", "recompute")}
+    before = {name: settled_status(lambda: load_bound_state(root, name))[0] for name in ("fail", "recompute")}
     prefill.hang()
     try:
         began = time.monotonic()
@@ -164,7 +132,7 @@ def test_a_hung_prefill_ends_each_bounded_request_within_the_bound_and_every_blo
         decode = decodes[name]
         deadline = time.monotonic() + LATE_REPORT_TIMEOUT_S
         late_reported = before[name]["late_report"] + 1  # (its log line is rate-limited: counted)
-        while counted(load_bound_records(root, name), "late_report") < late_reported \
+        while load_bound_state(root, name)[0]["late_report"] < late_reported \
                 or not decode.reset_prefix_cache():
             assert time.monotonic() < deadline, f"{name}: late report or blocks missing\n{decode.log_tail()}"
             time.sleep(2)
@@ -173,8 +141,6 @@ def test_a_hung_prefill_ends_each_bounded_request_within_the_bound_and_every_blo
         after = prompt(90 + len(name))
         assert transfer(prefill, decode, after, MAX_TOKENS) == \
             prefill.generate([Request(after, MAX_TOKENS)])[0].token_ids
-        for kind in kinds:
-            want = before[name][kind] + 1
-            assert once_written(root, name, lambda r: counted(r, kind), want) == want, \
-                (kind, before[name], load_bound_records(root, name))
-        assert once_written(root, name, quarantined, 0) == 0, load_bound_records(root, name)
+        want = {kind: before[name][kind] + 1 for kind in KINDS}, 0  # one timeout, one late report
+        found = settled_status(lambda: load_bound_state(root, name), lambda now: now == want)
+        assert found == want, (name, before[name], found)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from hotfix.worlds import scenarios
 from hotfix.worlds.tracker import BLOCKS_NOT_RETURNED, WRITE_INTO_FREED, WRITE_INTO_REALLOCATED
-from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock, verdicts
+from tests.worlds.verdicts import delivered_at, finished, run_fixed, run_stock
 
 FIX = "pull-pin"
 

@@ -40,6 +40,7 @@ from hotfix.worlds.pd_world import (
     CONNECTORS_MODULE,
     HERE,
     MAX_MODEL_LEN,
+    RINGBUFFER_RECHECK_S,
     VOCAB_SIZE,
     build_model,
     decode_bug_report_lmcache_config,
@@ -52,14 +53,6 @@ from hotfix.worlds.pd_world import (
 from hotfix.worlds.tiny_model import save_word_tokenizer, word
 
 START_TIMEOUT_S = 600.0
-# vLLM's EngineCore and worker wake each other through shared memory plus a ZMQ notification
-# that can be lost; a reader then re-checks the buffer only after min(5 s, this warning
-# interval). On this oversubscribed 2-core box notifications were lost often enough to add
-# seconds to a round; 1 s bounds each loss, and the EngineCore then logs every second it waits
-# ("No available shared memory broadcast block found"), which the serving benchmark counts.
-# Longer waits remain in some rounds (tens of seconds, the worker not answering):
-# docs/benchmarks.md, "Overhead on healthy traffic".
-RINGBUFFER_RECHECK_S = "1"
 REQUEST_TIMEOUT_S = 180.0
 READ_DELAY_S = 2.0
 # P frees what no decode read once this lapses (D's heartbeats renew it): long enough for a
