@@ -14,6 +14,15 @@ is in seconds). Stock then promotes turn 2 on LMCache's report, decodes it over 
 NIXL was going to write, and dies on NIXL's late report. lmcache 0.5.6 does not retrieve
 what it was not chosen for: the control, where the hotfix must change nothing.
 
+When the LMCache server hangs mid-retrieve (vLLM #49089's ordering: the worker stops the
+server right before it sends turn 2's RETRIEVE, ``ServerStoppingLMCacheMPConnector``), the
+decode's worker waits inside LMCache's own synchronous retrieve (``prepare_retrieve``, engine-
+driven transfers) for ``lmcache.mp.mq_timeout``: the whole engine stalls, stock or hotfix, and
+no bound of ours can act (the EngineCore gets no step output). Past that timeout LMCache
+reports the retrieve failed (its blocks invalid): ``fail`` ends turn 2 with an error while
+NIXL's READ still targets its blocks. Stock frees them and NIXL's late report kills the
+EngineCore; the hotfix keeps them until that report and stays alive.
+
 Every expectation is the prefill engine's local greedy decode (prefix caching off there, so
 it computes each prompt from scratch); ``test_pd_world`` shows that equals a NIXL-only pull.
 Engines: P and four decodes (0.5.4 and 0.5.6, stock and hotfix), started side by side; the
@@ -43,6 +52,8 @@ from hotfix.worlds.pd_world import (
     allocations,
     build_model,
     decode_bug_report_lmcache_config,
+    decode_request,
+    lmcache_stop_env,
     prefill_config,
     timeline,
     transfer,
@@ -57,12 +68,18 @@ ANSWER_TOKENS = 300  # D computes > CHUNK tokens of turn 1, so its LMCache store
 MAX_TOKENS = 8
 READ_DELAY_S = 2.0
 DEATHS = ("assert req_id in self.requests", "assert RequestStatus.is_finished(req.status)")
+HANGS = "-server-hangs"  # variant suffix: the decode's worker stops the server when armed
+MQ_TIMEOUT_S = 10  # lmcache.mp.mq_timeout of those decodes (the world's default is 60 s)
+# LMCache's prepare and commit of a retrieve each wait up to MQ_TIMEOUT_S (measured: turn 2
+# answered 21 s after the stop); then steps of a loaded 2-core box
+STALL_LIMIT_S = 3 * MQ_TIMEOUT_S + 30
 
 
 @dataclass
 class Decode:
     engine: Engine
     status_dir: Path | None  # the hotfix's per-process status files; None on stock
+    arm: Path | None = None  # its worker stops the LMCache server while this file exists
 
 
 @dataclass
@@ -93,14 +110,19 @@ def world(request, tmp_path_factory):
         decodes = {}
         for version, variant in sorted(wanted):
             path, name = releases[version], f"decode-{version}-{variant}"
-            config = decode_bug_report_lmcache_config(READ_DELAY_S, servers[version].connector_config())
-            if variant == "stock":
-                decodes[version, variant] = Decode(pd.start(name, config, extra_path=(path,)), None)
+            lmcache, env, arm = servers[version].connector_config(), {}, None
+            if variant.endswith(HANGS):
+                arm = root / f"arm-{name}"
+                lmcache = {**lmcache, "lmcache.mp.mq_timeout": MQ_TIMEOUT_S}
+                env = lmcache_stop_env(servers[version].process.pid, arm)
+            config = decode_bug_report_lmcache_config(READ_DELAY_S, lmcache, stops_server=arm is not None)
+            if variant.startswith("stock"):
+                decodes[version, variant] = Decode(pd.start(name, config, extra_path=(path,), env=env), None, arm)
             else:
                 status_dir = root / f"status-{name}"
                 decodes[version, variant] = Decode(pd.start(
                     name, config, extra_path=(path,), hotfix_home=home,
-                    env={"HOTFIX_STATUS_DIR": str(status_dir)}), status_dir)
+                    env={**env, "HOTFIX_STATUS_DIR": str(status_dir)}), status_dir, arm)
         for engine in pd.engines:
             engine.wait_ready()
         for decode in decodes.values():
@@ -215,3 +237,61 @@ def test_lmcache_0_5_6_retrieves_nothing_and_the_hotfix_changes_nothing(world, v
         log = decode.engine.log()
         assert "hotfix.patch.applied" in log and "hotfix.recv." not in log and "hotfix.runtime.error" not in log
         assert counters(decode) == {}, counters(decode)
+
+
+def turn_2_while_the_server_hangs(world: LMCacheWorld, decode: Decode, seed: int) -> tuple[float, list[int], list[int]]:
+    """Turn 1, then turn 2 with the server stopped right before turn 2's RETRIEVE; the server
+    is continued once turn 2 was answered (or ``STALL_LIMIT_S`` passed). Returns seconds to
+    the answer (inf: none), its tokens (empty: an error or a dead engine) and the expectation."""
+    question = tokens(seed, QUESTION_TOKENS)
+    answer = transfer(world.prefill, decode.engine, question, ANSWER_TOKENS)
+    assert decode.engine.reset_prefix_cache(), "blocks still held after turn 1"
+    follow_up = question + answer + tokens(seed + 1, QUESTION_TOKENS)
+    (expected,) = world.prefill.generate([Request(follow_up, MAX_TOKENS)])
+    request = decode_request(world.prefill, follow_up, MAX_TOKENS, False)
+    decode.arm.write_text("stop the server before the next RETRIEVE")
+    began = time.monotonic()
+    try:
+        decode.engine.submit([request])
+        took = time.monotonic() - began if decode.engine.answered(STALL_LIMIT_S) else math.inf
+        assert "LMCache server stopped before the RETRIEVE" in decode.engine.log(), decode.engine.log_tail()
+    finally:
+        world.servers["0.5.4"].resume()
+    if took == math.inf:
+        return took, [], expected.token_ids
+    try:
+        (out,) = decode.engine.completions()
+    except EngineFailure as died:
+        assert died.kind == "EngineDeadError", died
+        return took, [], expected.token_ids
+    return took, out.token_ids, expected.token_ids
+
+
+@uses("0.5.4", "stock" + HANGS)
+def test_stock_when_the_lmcache_server_hangs_mid_retrieve_the_late_nixl_report_kills_the_decode(world):
+    decode = world.decodes["0.5.4", "stock" + HANGS]
+    took, got, expected = turn_2_while_the_server_hangs(world, decode, seed=401)
+    print(f"stock, LMCache server stopped mid-retrieve: turn 2 answered after {took:.1f} s, "
+          f"{'right' if got == expected else 'no' if not got else 'wrong'} tokens")
+    if decode.engine.alive():
+        with pytest.raises(EngineFailure) as dead:
+            transfer(world.prefill, decode.engine, tokens(402, 70), MAX_TOKENS)
+        assert dead.value.kind == "EngineDeadError"
+    assert any(death in decode.engine.log() for death in DEATHS), decode.engine.log_tail()
+
+
+@uses("0.5.4", "hotfix" + HANGS)
+def test_hotfix_when_the_lmcache_server_hangs_mid_retrieve_errors_stays_alive_and_gets_every_block_back(world):
+    """The stall itself is LMCache's (bounded by its mq_timeout, not by HOTFIX_LOAD_TIMEOUT_S);
+    what the hotfix changes is what follows: no garbage, no death, every block back."""
+    decode = world.decodes["0.5.4", "hotfix" + HANGS]
+    took, got, expected = turn_2_while_the_server_hangs(world, decode, seed=501)
+    print(f"hotfix, LMCache server stopped mid-retrieve: turn 2 answered after {took:.1f} s")
+    assert took < STALL_LIMIT_S, decode.engine.log_tail()
+    assert got in ([], expected), "decoded over blocks no transfer finished writing"
+    assert decode.engine.alive(), decode.engine.log_tail()
+    assert drained(decode.engine), "a block is still held at idle\n" + decode.engine.log_tail()
+    assert transfer(world.prefill, decode.engine, tokens(502, 70), MAX_TOKENS) == \
+        local_decode(world, tokens(502, 70), MAX_TOKENS)
+    log = decode.engine.log()
+    assert "AssertionError" not in log and "hotfix.runtime.error" not in log

@@ -27,7 +27,8 @@ through `kv_connector_extra_config["world"]` and asks it when to report.
 
 A load ends when the timeline says: `LoadDone`, or `LoadFailed` (vLLM 0.30+:
 the request is also in `failed_recving`; the NIXL emulation, like NIXL
-without HMA, also reports the failed READ's blocks as invalid).
+without HMA, also reports the failed READ's blocks as invalid, which on 0.27-0.29
+is all a failed READ reports besides `finished_recving`).
 
 A CacheLoader built with `async_save` holds every finished request's
 blocks (`request_finished` returns True, like LMCache MP with stores in
@@ -270,16 +271,20 @@ class _EmulatedPullWorker:
                 self._child._start_load(req_id, block_ids)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        sending, recving, _ = self._child._collect_reports()
+        """0.27-0.29: a failed READ is reported finished, its blocks invalid."""
+        sending, recving, _ = self._reports_marking_failed_reads_invalid()
         return sending, recving
 
     def get_transfer_results(self):
         """The worker entry point NIXL's facade calls from vLLM 0.30 on. Like NIXL without
         HMA, a failed READ also marks its local blocks invalid, in the same pass."""
+        return _transfer_results(*self._reports_marking_failed_reads_invalid())
+
+    def _reports_marking_failed_reads_invalid(self) -> tuple[set[str], set[str], set[str]]:
         reading = dict(self._child._loads)
         sending, recving, failed = self._child._collect_reports()
         self._invalid_block_ids.update(b for req_id in failed for b in reading[req_id])
-        return _transfer_results(sending, recving, failed)
+        return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()

@@ -120,14 +120,24 @@ class LMCacheServer(SessionServer):
             return []
         return sorted(p for p in SHM.iterdir() if "lmcache" in p.name and p.name not in self._shm_before)
 
+    def resume(self) -> None:
+        """Continue a server a test (or a world connector) SIGSTOPped: a hung server, not a
+        dead one."""
+        try:
+            os.killpg(self.process.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
     def stop(self) -> None:
-        """End the server's process group (TERM, then KILL) and remove its /dev/shm pool."""
+        """End the server's process group (TERM, then KILL; continued first, so a stopped
+        server ends too) and remove its /dev/shm pool."""
         if self.process is None:
             return
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+        self.resume()
         try:
             self.process.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:

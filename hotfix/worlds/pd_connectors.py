@@ -30,15 +30,26 @@ step, forward or not).
   MP's shape (``.requests`` of ops with ``.request_id`` and ``.direction``). It writes no
   KV: whatever it "loads" is not what the NIXL pull is about to write. Like the in-tree
   LMCache MP connector it does not implement ``SupportsHMA``.
+* ``ServerStoppingLMCacheMPConnector`` — the real LMCache MP connector (the class vLLM
+  resolves ``LMCacheMPConnector`` to: lmcache's own when lmcache is on the engine's path),
+  except that once a test armed it (the file named by ``$PD_WORLD_LMCACHE_STOP_ARMED``
+  exists) the worker SIGSTOPs the LMCache server's process group right before it sends the
+  next step's RETRIEVEs: the server hangs with that retrieve in flight (vLLM #49089's
+  ordering), deterministically, where a test's own signal would race a retrieve that takes
+  milliseconds. Everything else, the retrieve included, is LMCache's. Defined on first use,
+  so that engines without lmcache on their path import this module too.
 """
 from __future__ import annotations
 
 import copy
+import functools
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
 
-from pd_world import CACHE_HIT_PARAM
+from pd_world import CACHE_HIT_PARAM, LMCACHE_SERVER_PGID_VAR, LMCACHE_STOP_ARMED_VAR
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -51,6 +62,7 @@ from without_hotfix import drop_hotfix_if_asked
 logger = init_logger("vllm.pd_world")
 
 __all__ = ["NixlConnector", "DelayedReadNixlConnector", "EagerRetrieveConnector"]
+
 
 NIXL_PROGRESS_POLL_US = 1000
 
@@ -251,3 +263,33 @@ class EagerRetrieveConnector(KVConnectorBase_V1):
             del self._loading[req_id]
             logger.info("pd_world: cache reports %s received at step %d", req_id, self._step)
         return None, done or None
+
+
+def __getattr__(name: str):
+    if name == "ServerStoppingLMCacheMPConnector":
+        return _server_stopping_lmcache()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _server_stopping_lmcache():
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import LMCacheMPConnector
+
+    class ServerStoppingLMCacheMPConnector(LMCacheMPConnector):
+        """LMCache MP whose worker stops the server before an armed step's RETRIEVEs."""
+
+        def start_load_kv(self, forward_context, **kwargs) -> None:
+            stop_server_if_armed(getattr(self._get_connector_metadata(), "requests", ()))
+            return super().start_load_kv(forward_context, **kwargs)
+
+    return ServerStoppingLMCacheMPConnector
+
+
+def stop_server_if_armed(ops) -> None:
+    retrieves = [op.request_id for op in ops if op.direction == "RETRIEVE"]
+    armed = os.environ.get(LMCACHE_STOP_ARMED_VAR)
+    if not (retrieves and armed and os.path.exists(armed)):
+        return
+    os.unlink(armed)
+    os.killpg(int(os.environ[LMCACHE_SERVER_PGID_VAR]), signal.SIGSTOP)
+    logger.info("pd_world: LMCache server stopped before the RETRIEVE of %s", ",".join(retrieves))

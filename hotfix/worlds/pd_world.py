@@ -45,6 +45,10 @@ MAX_MODEL_LEN = 512
 VOCAB_SIZE = 256
 CACHE_HIT_PARAM = "pd_world_cache_hit"  # kv_transfer_params key: "the decode-side cache has this prompt"
 CONNECTORS_MODULE = "pd_connectors"
+# a decode's ServerStoppingLMCacheMPConnector: the server's process group, and the file whose
+# presence arms the stop (removed when it fires)
+LMCACHE_SERVER_PGID_VAR = "PD_WORLD_LMCACHE_SERVER_PGID"
+LMCACHE_STOP_ARMED_VAR = "PD_WORLD_LMCACHE_STOP_ARMED"
 
 ENGINE_ARGS = dict(
     skip_tokenizer_init=True,
@@ -144,16 +148,28 @@ def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
                                    loader)
 
 
-def decode_bug_report_lmcache_config(read_delay_s: float, lmcache_extra: dict) -> dict:
+def decode_bug_report_lmcache_config(read_delay_s: float, lmcache_extra: dict,
+                                     stops_server: bool = False) -> dict:
     """The bug report's decode node exactly: MultiConnector[NIXL, LMCacheMPConnector (kv_both)],
     the second child the real LMCache connector (vLLM resolves the name to lmcache's own class
     when lmcache is on the engine's path) talking to a real ``lmcache server``. NIXL's READ
     starts ``read_delay_s`` seconds after it was asked, later than any LMCache retrieve here.
     LMCache stores the chunks D generates too (a decode node's cache holds a conversation's
-    earlier turns only so; 0.5.4 always does, 0.5.6 only with ``save_decode_cache``)."""
-    lmcache = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+    earlier turns only so; 0.5.4 always does, 0.5.6 only with ``save_decode_cache``).
+    ``stops_server``: the worker's LMCache connector stops the server when a test arms it
+    (``ServerStoppingLMCacheMPConnector``; the engine's env names the server and the arm,
+    :func:`lmcache_stop_env`)."""
+    lmcache = {"kv_role": "kv_both", **({"kv_connector": "ServerStoppingLMCacheMPConnector",
+                                         "kv_connector_module_path": CONNECTORS_MODULE}
+                                        if stops_server else {"kv_connector": "LMCacheMPConnector"}),
                "kv_connector_extra_config": {**lmcache_extra, "lmcache.mp.save_decode_cache": True}}
     return _decode_multi_connector(_delayed_nixl({"read_delay_s": read_delay_s}), lmcache)
+
+
+def lmcache_stop_env(server_pgid: int, arm: Path) -> dict:
+    """The env of a decode whose LMCache connector stops server ``server_pgid`` when ``arm``
+    exists."""
+    return {LMCACHE_SERVER_PGID_VAR: str(server_pgid), LMCACHE_STOP_ARMED_VAR: str(arm)}
 
 
 def _delayed_nixl(extra: dict) -> dict:
