@@ -36,8 +36,9 @@ from typing import Dict, FrozenSet, Optional, Tuple
 from hotfix import log, status
 
 #: Bump whenever what a half ships to the other changes (a class in the worker metadata, a
-#: field's meaning). 1 was the unversioned ``hotfix_halves`` stamp (up to 932d821).
-WIRE_VERSION = 2
+#: field's meaning). 1 was the unversioned ``hotfix_halves`` stamp (up to 932d821); 2 lasted
+#: until lease-guard's worker half judged leases and reported prefill clocks.
+WIRE_VERSION = 3
 STAMP_PREFIX = "hotfix_halves"
 STAMP_ATTR = f"{STAMP_PREFIX}_w{WIRE_VERSION}"
 WAITING, AGREED, DEGRADED = "waiting", "agreed", "degraded"

@@ -60,6 +60,19 @@ def require_release(version: str) -> Path:
     return path
 
 
+def release_tree(rev: str, dest: Path) -> Path:
+    """The ``hotfix`` package of commit ``rev`` (this checkout's history) under ``dest``: an
+    earlier release, for tests that run it beside this one."""
+    import io
+    import tarfile
+
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "hotfix"], capture_output=True)
+    assert archive.returncode == 0, f"git archive {rev}: {archive.stderr.decode()} (CI clones the full history)"
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest)
+    return dest
+
+
 def settled_status(read, want=lambda value: True, timeout_s: float = 20.0):
     """``read()`` of status files once ``want`` holds and two reads a flush interval and a half
     apart agree (or at the deadline): a count or gauge is written by a timer up to one flush

@@ -1,13 +1,14 @@
 """lease-guard's state and arithmetic on their own (no vLLM): the book of leases a decode
-scheduler judges, the deadline values it accepts, the margin's variable, the NIXL answer
-that carries several fixes' worker halves in one slot."""
+scheduler judges, the prefill clocks it judges them on, what a worker rank reports of those
+clocks, the deadline values it accepts, the margin's variable, the NIXL answer that carries
+several fixes' worker halves in one slot."""
 from __future__ import annotations
 
 import pytest
 
 from hotfix import config
 from hotfix.fixes._nixl_answer import NixlWorkerAnswer, answer_with
-from hotfix.fixes.lease_guard import LeaseBook, parse_deadline
+from hotfix.fixes.lease_guard import ClockReport, LeaseBook, PrefillClocks, parse_deadline
 
 
 def test_a_lease_is_trusted_only_with_more_than_the_margin_left():
@@ -62,6 +63,64 @@ def test_a_request_id_arriving_again_is_judged_by_its_new_deadline():
     book.judge("R", 2000.0)
     book.arrive("R", 3000.0)
     assert book.take_refusal("R", 2000.0) is None and len(book) == 0
+
+
+def test_a_lease_on_the_prefills_clock_is_judged_only_where_that_clock_is_known():
+    """P's clock is its own perf_counter (another host: another epoch); D's wall clock says
+    nothing about it, however far the two hosts' wall clocks are apart."""
+    book = LeaseBook(margin_s=5.0)
+    book.arrive("R", deadline=1000.0, expiry=50_020.0)  # P's clock: 20 s left at 50,000
+    assert book.judge("R", now=1026.0) is None and book.pending() == ["R"]  # not decidable here
+    assert book.judge("R", now=1026.0, prefill_now=50_000.0) is None and len(book) == 0  # trusted
+    book.arrive("L", deadline=1000.0, expiry=50_020.0)
+    assert book.take_refusal("L", now=986.0, prefill_now=50_028.0) == pytest.approx(8.0)
+
+
+def test_a_lease_the_scheduler_cannot_judge_is_handed_to_the_worker_once():
+    book = LeaseBook(margin_s=5.0)
+    book.arrive("R", deadline=1000.0, expiry=50_020.0)
+    assert book.take_refusal("R", now=990.0) is None
+    assert book.hand_over("R") == (1000.0, 50_020.0)
+    assert book.hand_over("R") is None and len(book) == 0
+
+
+def test_a_prefill_clock_is_known_once_every_rank_reported_it_and_the_largest_offset_counts():
+    clocks = PrefillClocks(ranks=2)
+    clocks.heard({"rank-a": {"P": 100.0}})
+    assert clocks.now_on("P", 10.0) is None  # rank b has no handshake with P: no heartbeat leaves
+    clocks.heard({"rank-b": {"P": 100.5, "Q": 3.0}})
+    assert clocks.now_on("P", 10.0) == pytest.approx(110.5)
+    assert clocks.now_on("Q", 10.0) is None
+    clocks.heard({"rank-a": {}})  # rank a's handshake with P was evicted
+    assert clocks.now_on("P", 10.0) is None
+
+
+def test_the_clocks_keep_at_most_their_cap_of_ranks():
+    clocks = PrefillClocks(ranks=1, cap=3)
+    for i in range(10):
+        clocks.heard({f"rank-{i}": {"P": float(i)}})
+    assert len(clocks) == 3 and clocks.now_on("P", 0.0) == pytest.approx(9.0)
+
+
+def test_a_worker_reports_its_prefill_clocks_only_when_they_change():
+    report = ClockReport(tolerance_s=0.05)
+    assert report.changed({}, 0.0) is None  # nothing known, nothing said
+    assert report.changed({"P": 12.0}, 0.0) == {"P": 12.0}  # a handshake completed
+    assert report.changed({"P": 12.01}, 0.0) is None  # noise
+    assert report.changed({"P": 12.2}, 0.0) == {"P": 12.2}
+    assert report.changed({}, 0.0) == {}  # evicted: the EngineCore must hear it
+
+
+def test_a_worker_on_another_host_than_its_enginecore_adds_the_least_gap_seen():
+    """Offsets are measured against the worker's clock; the EngineCore judges on its own.
+    The least gap between a step's scheduler_clock and the worker reading it is the clocks'
+    difference plus the shortest delivery: a larger offset, the safe side."""
+    import time
+
+    report = ClockReport()
+    ahead = time.perf_counter() - 1000.0  # the EngineCore's clock, 1000 s behind this worker's
+    (offset,) = report.changed({"P": 5.0}, ahead).values()
+    assert offset == pytest.approx(1005.0, abs=0.5)
 
 
 @pytest.mark.parametrize("raw, expected", [

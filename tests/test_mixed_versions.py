@@ -9,19 +9,18 @@ and the EngineCore side unpickles that and hears it, as vLLM does with a worker'
 """
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, release_tree as tree
 
 PREVIOUS = "932d821"  # the last release with the unversioned stamp (wire 1)
 OLDER = "772249a^"  # before the NIXL answer class existed (what the review's reproduction used)
+WIRE_2 = "7e98aed"  # the last release of wire 2 (before lease-guard's worker half judged leases)
 
 STAMP = r"""
 import pickle, sys, types
@@ -62,19 +61,11 @@ print(json.dumps({"state": half.state}), file=sys.stderr)
 """
 
 
-def tree(rev: str, dest: Path) -> Path:
-    """The ``hotfix`` package of commit ``rev`` (this checkout's history) under ``dest``."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "hotfix"], capture_output=True)
-    assert archive.returncode == 0, f"git archive {rev}: {archive.stderr.decode()} (CI clones the full history)"
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(dest)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory):
     root = tmp_path_factory.mktemp("releases")
-    return {"this": REPO, PREVIOUS: tree(PREVIOUS, root / "previous"), OLDER: tree(OLDER, root / "older")}
+    return {"this": REPO, PREVIOUS: tree(PREVIOUS, root / "previous"), OLDER: tree(OLDER, root / "older"),
+            WIRE_2: tree(WIRE_2, root / "wire-2")}
 
 
 def run(code: str, path: Path, data: bytes = b"") -> tuple[bytes, dict]:
@@ -102,8 +93,10 @@ def test_previous_releases_worker_answer_kills_an_older_engine_core(trees):
     assert core["error"].startswith("ModuleNotFoundError")
 
 
-@pytest.mark.parametrize("engine_core, worker", [("this", PREVIOUS), (PREVIOUS, "this"), (OLDER, "this")],
-                         ids=["old-worker", "old-engine-core", "older-engine-core"])
+@pytest.mark.parametrize("engine_core, worker", [("this", PREVIOUS), (PREVIOUS, "this"), (OLDER, "this"),
+                                                 ("this", WIRE_2), (WIRE_2, "this")],
+                         ids=["old-worker", "old-engine-core", "older-engine-core",
+                              "wire-2-worker", "wire-2-engine-core"])
 def test_halves_of_two_releases_degrade_and_ship_nothing(trees, engine_core, worker):
     core, work = handshake(trees[engine_core], trees[worker])
     assert work == {"state": "degraded", "shipped": False}

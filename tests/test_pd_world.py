@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, install_home, marked_by_selected_tests, settled_status
-from hotfix.fixes.lease_guard import DEADLINE_KEY
+from hotfix.fixes.lease_guard import DEADLINE_KEY, EXPIRY_KEY
 from hotfix.worlds.pd_world import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -421,7 +421,7 @@ def test_with_the_fail_policy_a_lapsed_lease_ends_the_request_and_the_next_is_se
 def test_without_the_prefills_deadline_a_decode_reads_as_stock_with_one_warning(pd, lapsed):
     """A router that drops the key (or a prefill without the hotfix): nothing to judge by."""
     late = lapsed["no_deadline"]
-    params = {k: v for k, v in late.params.items() if k != DEADLINE_KEY}
+    params = {k: v for k, v in late.params.items() if k not in (DEADLINE_KEY, EXPIRY_KEY)}
     before = settled_lease_counters(pd)
     tokens, _, _ = decode_late(pd.pin, late, params)
     assert tokens != late.expected  # stock behaviour: the lapsed blocks are read

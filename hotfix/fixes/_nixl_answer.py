@@ -16,29 +16,35 @@ from hotfix.halves import merge_presence
 
 class NixlWorkerAnswer:
     """``confirmed``: pull-pin's terminal READ reports, ``{req_id: {rank token: stamp epoch}}``;
-    ``hotfix_present``: the handshake's announcements, ``{fix: rank tokens}``."""
+    ``hotfix_present``: the handshake's announcements, ``{fix: rank tokens}``;
+    ``prefill_clocks``: lease-guard's offsets to prefill clocks that changed,
+    ``{rank token: {engine id: seconds}}``."""
 
     def __init__(self, confirmed: Optional[Dict[str, Dict[str, int]]] = None,
-                 present: Optional[Dict[str, FrozenSet[str]]] = None) -> None:
+                 present: Optional[Dict[str, FrozenSet[str]]] = None,
+                 prefill_clocks: Optional[Dict[str, Dict[str, float]]] = None) -> None:
         self.confirmed = confirmed or {}
         self.hotfix_present = present or {}
+        self.prefill_clocks = prefill_clocks or {}
 
     def aggregate(self, other) -> "NixlWorkerAnswer":
         merged = {req_id: dict(ranks) for req_id, ranks in self.confirmed.items()}
         for req_id, ranks in (getattr(other, "confirmed", None) or {}).items():
             merged.setdefault(req_id, {}).update(ranks)
-        return NixlWorkerAnswer(merged, merge_presence(self.hotfix_present, other))
+        clocks = {**self.prefill_clocks, **(getattr(other, "prefill_clocks", None) or {})}
+        return NixlWorkerAnswer(merged, merge_presence(self.hotfix_present, other), clocks)
 
 
 def answer_with(meta, confirmed: Optional[Dict[str, Dict[str, int]]] = None,
-                present: Optional[Dict[str, FrozenSet[str]]] = None):
+                present: Optional[Dict[str, FrozenSet[str]]] = None,
+                prefill_clocks: Optional[Dict[str, Dict[str, float]]] = None):
     """This step's NIXL worker metadata with ours added; ``meta`` unchanged when it is not
     ours to extend (something other than None or an answer: not NIXL's slot as we know it)."""
-    if not confirmed and not present:
+    if not confirmed and not present and not prefill_clocks:
         return meta
     if meta is None:
-        return NixlWorkerAnswer(confirmed, present)
+        return NixlWorkerAnswer(confirmed, present, prefill_clocks)
     if not isinstance(meta, NixlWorkerAnswer):
         return meta
-    return meta.aggregate(NixlWorkerAnswer(confirmed, present))
+    return meta.aggregate(NixlWorkerAnswer(confirmed, present, prefill_clocks))
 

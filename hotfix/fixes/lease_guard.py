@@ -8,19 +8,32 @@ is READ from blocks P has already given to other requests: D decodes garbage and
 nothing (P logs "Potentially invalid KV blocks for unrecognized request" afterwards).
 
 The fix, in three places:
-- P's NIXL scheduler (``request_finished`` of a prefill request) adds the lease's deadline,
-  in wall-clock seconds, to the ``kv_transfer_params`` it returns (:data:`DEADLINE_KEY`);
-  a router passes them to D unchanged.
-- D's NIXL scheduler notes the deadline when the request arrives and judges the lease at the
-  first moment D relies on it: the first heartbeat it sends for the request (from then on D
-  renews the lease) or the READ, whichever comes first. A lease with less than
-  ``HOTFIX_LEASE_GUARD_MARGIN_S`` (default 5 s, vLLM's own turn-2 slack: clock skew
-  between the hosts, heartbeat and notification latency) left is refused: the READ goes to
-  the worker marked (:data:`REFUSED_ATTR` on its ``ReqMeta``, a float).
-- D's NIXL worker declines a marked READ before any byte moves, the way vLLM declines an
+- P's NIXL scheduler (``request_finished`` of a prefill request) adds the lease's end to the
+  ``kv_transfer_params`` it returns, on P's own monotonic clock (:data:`EXPIRY_KEY`: the clock
+  P's NIXL handshake listener reports, so D can convert it with the offset vLLM measures in
+  the handshake) and in wall-clock seconds (:data:`DEADLINE_KEY`, what earlier releases of the
+  hotfix read); a router passes them to D unchanged.
+- D's NIXL scheduler notes the lease when the request arrives and judges it at the first
+  moment D relies on it: the first heartbeat that actually leaves for the request (from then on
+  D renews the lease) or the READ, whichever comes first. NIXL's worker sends no heartbeat to a
+  prefill it has no handshake with, so a heartbeat counts only once every worker rank reported
+  that prefill's clock offset (:class:`PrefillClocks`, in the workers' answers); the lease is
+  judged on P's clock (D's clock + that offset), never by comparing two hosts' wall clocks. A
+  lease with less than ``HOTFIX_LEASE_GUARD_MARGIN_S`` (default 5 s, vLLM's own turn-2 slack:
+  heartbeat and notification latency) left is refused: the READ goes to the worker marked
+  (:data:`REFUSED_ATTR` on its ``ReqMeta``, a float). A READ that leaves before D knows P's
+  clock (the first contact with that prefill) carries the lease instead (:data:`LEASE_ATTR`),
+  and the worker judges it where the READ is posted, after the handshake, with its own offset.
+- D's NIXL worker declines a refused READ before any byte moves, the way vLLM declines an
   expired turn-2 readback (``_handle_failed_transfer``): a failed remote load, so
   ``kv_load_failure_policy`` decides — ``recompute`` prefills locally, ``fail`` ends the
   request with an error. Never garbage.
+
+Not covered yet (issue #32 item 3): a lease another decode's heartbeats renewed (a router's
+retry after a dead decode) is judged by its first end and may be refused although P still
+holds the blocks (an error or a recompute, not garbage). Only P can say it still holds them.
+A lease with only a wall-clock deadline (a prefill of an earlier release) is judged by the wall
+clocks, as before.
 
 A request without a deadline (a prefill without the hotfix, a router that drops the key)
 keeps stock behaviour, counted, with one WARNING; a garbled deadline the same with one
@@ -30,7 +43,8 @@ READs its EngineCore marked; the first connector output the EngineCore hears dec
 
 State: :class:`LeaseBook`, per D scheduler, the arrived requests whose lease is not judged
 yet and the refused ones whose READ is not sent yet (bounded; entries leave when judged
-trusted, when the READ is sent, or when the request finishes).
+trusted, when the READ is sent, or when the request finishes); :class:`PrefillClocks`, per D
+scheduler, each worker rank's offsets to the prefills it has a handshake with (bounded).
 """
 from __future__ import annotations
 
@@ -39,7 +53,7 @@ import math
 import sys
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 from hotfix import config, halves, log, status
 from hotfix.fixes._nixl_answer import answer_with
@@ -110,62 +124,115 @@ SPEC = FixSpec(
 
 FIX = SPEC.id
 DEADLINE_KEY = "hotfix_lease_deadline"  # kv_transfer_params: P's lease end, seconds since the epoch
+EXPIRY_KEY = "hotfix_lease_expiry"  # kv_transfer_params: P's lease end on P's EngineCore perf_counter
 REFUSED_ATTR = "hotfix_lease_refused"  # on a ReqMeta D ships: seconds past the deadline (float)
+LEASE_ATTR = "hotfix_lease"  # on a ReqMeta D ships unjudged: (wall deadline, end on P's clock)
 MARGIN_VAR = "HOTFIX_LEASE_GUARD_MARGIN_S"
 DEFAULT_MARGIN_S = 5.0
+
+
+def seconds_late(deadline: Optional[float], expiry: Optional[float], now: float,
+                 prefill_now: Optional[float]) -> Optional[float]:
+    """Seconds past a lease's end (negative: time left), on P's clock when its end is known
+    there; None when it cannot be told here (its end is on P's clock, and P's clock is not
+    known). ``deadline``: the wall-clock end, judged with ``now`` (an earlier release's P)."""
+    if expiry is not None:
+        return None if prefill_now is None else prefill_now - expiry
+    return None if deadline is None else now - deadline
 
 
 class LeaseBook:
     """D's scheduler: what it knows of the leases of requests that will READ from a prefill.
 
-    Lifecycle of an entry: :meth:`arrive` (deadline noted) → :meth:`judge` at the first
-    heartbeat or READ: trusted (gone) or refused (kept) → :meth:`take_refusal` when the READ
-    is shipped (gone) — or :meth:`forget` when the request finishes first. At most ``cap``
-    entries; the oldest is dropped past that (its request gets stock behaviour, counted).
+    Lifecycle of an entry: :meth:`arrive` (lease noted) → :meth:`judge` at the first heartbeat
+    that leaves or at the READ: trusted (gone), refused (kept), or not decidable here (kept) →
+    :meth:`take_refusal` when the READ is shipped (gone), or :meth:`hand_over` of a lease the
+    READ's worker must judge (gone) — or :meth:`forget` when the request finishes first. At
+    most ``cap`` entries; the oldest is dropped past that (its request gets stock behaviour,
+    counted).
     """
 
     def __init__(self, margin_s: float, cap: int = 65536) -> None:
         self.margin_s = margin_s
         self.cap = cap
-        self._deadlines: "OrderedDict[str, float]" = OrderedDict()  # arrived, not judged
+        # arrived, not judged: (wall deadline, expiry on P's clock)
+        self._leases: "OrderedDict[str, Tuple[Optional[float], Optional[float]]]" = OrderedDict()
         self._refused: "OrderedDict[str, float]" = OrderedDict()  # seconds past the deadline
 
     def __len__(self) -> int:
-        return len(self._deadlines) + len(self._refused)
+        return len(self._leases) + len(self._refused)
 
-    def arrive(self, req_id: str, deadline: float) -> int:
-        """Note R's deadline; returns how many entries the cap pushed out."""
+    def arrive(self, req_id: str, deadline: Optional[float], expiry: Optional[float] = None) -> int:
+        """Note R's lease; returns how many entries the cap pushed out."""
         self.forget(req_id)
-        self._deadlines[req_id] = deadline
+        self._leases[req_id] = (deadline, expiry)
         evicted = 0
         while len(self) > self.cap:
-            (self._deadlines if self._deadlines else self._refused).popitem(last=False)
+            (self._leases if self._leases else self._refused).popitem(last=False)
             evicted += 1
         return evicted
 
-    def judge(self, req_id: str, now: float) -> Optional[float]:
-        """R's lease is relied on now: seconds past its deadline if it is refused (within the
-        margin counts as past), None if trusted or unknown. Judged once."""
-        deadline = self._deadlines.pop(req_id, None)
-        if deadline is None:
+    def judge(self, req_id: str, now: float, prefill_now: Optional[float] = None) -> Optional[float]:
+        """R's lease is relied on now: seconds past its end if it is refused (within the
+        margin counts as past), None if trusted, unknown, or not decidable here (see
+        :func:`seconds_late`; it stays to be judged). Judged once."""
+        lease = self._leases.get(req_id)
+        if lease is None:
             return self._refused.get(req_id)
-        if now + self.margin_s >= deadline:
-            self._refused[req_id] = now - deadline
-            return now - deadline
+        late = seconds_late(*lease, now, prefill_now)
+        if late is None:
+            return None
+        del self._leases[req_id]
+        if late + self.margin_s >= 0:
+            self._refused[req_id] = late
+            return late
         return None
 
-    def take_refusal(self, req_id: str, now: float) -> Optional[float]:
+    def take_refusal(self, req_id: str, now: float, prefill_now: Optional[float] = None) -> Optional[float]:
         """R's READ is being shipped: judge it if not yet, and hand out a refusal once."""
-        self.judge(req_id, now)
+        self.judge(req_id, now, prefill_now)
         return self._refused.pop(req_id, None)
+
+    def hand_over(self, req_id: str) -> Optional[Tuple[Optional[float], Optional[float]]]:
+        """R's READ leaves with its lease not decidable here: ``(deadline, expiry)`` for the
+        worker to judge, once."""
+        return self._leases.pop(req_id, None)
 
     def pending(self):
         """Requests arrived and not judged yet."""
-        return list(self._deadlines)
+        return list(self._leases)
 
     def forget(self, req_id: str) -> None:
-        self._deadlines.pop(req_id, None)
+        self._leases.pop(req_id, None)
         self._refused.pop(req_id, None)
+
+
+class PrefillClocks:
+    """D's scheduler: each worker rank's offset to each prefill's clock (P's perf_counter
+    minus D's), from the ranks' answers; a rank's answer replaces its earlier one. A prefill's
+    clock is known here only once every rank (``ranks``) reported it: only then does every
+    rank's heartbeat to it leave. The largest offset is used (P's clock read later, so leases
+    end sooner: the safe side). At most ``cap`` ranks (the oldest answer is dropped)."""
+
+    def __init__(self, ranks: int, cap: int = 256) -> None:
+        self.ranks = max(int(ranks), 1)
+        self.cap = cap
+        self._by_rank: "OrderedDict[str, Dict[str, float]]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_rank)
+
+    def heard(self, clocks_by_rank) -> None:
+        for rank, offsets in (clocks_by_rank or {}).items():
+            self._by_rank.pop(rank, None)
+            self._by_rank[rank] = {str(e): float(o) for e, o in dict(offsets).items()}
+        while len(self._by_rank) > self.cap:
+            self._by_rank.popitem(last=False)
+
+    def now_on(self, engine_id, now: float) -> Optional[float]:
+        """P's clock now (``now``: D's perf_counter), or None while not every rank knows it."""
+        offsets = [o[engine_id] for o in self._by_rank.values() if engine_id in o]
+        return now + max(offsets) if offsets and len(offsets) >= self.ranks else None
 
 
 def parse_deadline(raw) -> Optional[float]:
@@ -190,6 +257,11 @@ def _scheduler_half(nixl_scheduler) -> SchedulerHalf:
         FIX, nixl_scheduler.vllm_config.parallel_config))
 
 
+def _clocks(nixl_scheduler) -> PrefillClocks:
+    return state_of(nixl_scheduler, "_hotfix_lease_clocks",
+                    lambda: PrefillClocks(_scheduler_half(nixl_scheduler).ranks))
+
+
 def export_the_lease_deadline(wrapped, instance, args, kwargs):
     """P: the params a finished prefill returns carry its lease's end (wall clock). D: a
     finished request leaves the book."""
@@ -202,6 +274,7 @@ def export_the_lease_deadline(wrapped, instance, args, kwargs):
         delay_free, params = result
         expires = instance._reqs_need_send.get(request.request_id) if delay_free else None
         if params and params.get("do_remote_prefill") and isinstance(expires, float):
+            params[EXPIRY_KEY] = round(expires, 3)  # the clock P's handshake listener reports
             params[DEADLINE_KEY] = round(time.time() + (expires - time.perf_counter()), 3)
             _count("deadline_exported")
     except Exception as exc:
@@ -225,8 +298,8 @@ def note_the_lease_at_arrival(wrapped, instance, args, kwargs):
 
 
 def _note(nixl_scheduler, req_id: str, params: dict) -> None:
-    raw = params.get(DEADLINE_KEY)
-    if raw is None:
+    raw, raw_expiry = params.get(DEADLINE_KEY), params.get(EXPIRY_KEY)
+    if raw is None and raw_expiry is None:
         _count("deadline_missing")
         log.once((FIX, "deadline_missing"), "warning", "hotfix.lease.no_deadline", fix=FIX,
                  req_id=req_id, remote_engine_id=params.get("remote_engine_id"),
@@ -234,21 +307,22 @@ def _note(nixl_scheduler, req_id: str, params: dict) -> None:
                  "without lease-guard, or the router drops the key",
                  action="stock READ for such requests (counted as deadline_missing)")
         return
-    deadline = parse_deadline(raw)
-    if deadline is None:
+    deadline, expiry = parse_deadline(raw), parse_deadline(raw_expiry)
+    if (raw is not None and deadline is None) or (raw_expiry is not None and expiry is None):
         _count("deadline_garbled")
         log.limited((FIX, "deadline_garbled"), "error", "hotfix.lease.bad_deadline", fix=FIX,
-                    req_id=req_id, value=repr(raw)[:80],
-                    reason=f"{DEADLINE_KEY} is not a positive number of seconds",
+                    req_id=req_id, value=repr((raw, raw_expiry))[:80],
+                    reason=f"{DEADLINE_KEY} or {EXPIRY_KEY} is not a positive number of seconds",
                     action="stock READ for this request")
         return
-    if _book(nixl_scheduler).arrive(req_id, deadline):
+    if _book(nixl_scheduler).arrive(req_id, deadline, expiry):
         _count("book_evicted")
 
 
 def refuse_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
-    """D: judge each lease when D first relies on it (a heartbeat or the READ leaving now);
-    mark the READs of refused ones, and stamp the handshake."""
+    """D: judge each lease when D first relies on it (a heartbeat that leaves, or the READ
+    leaving now), on P's clock; mark the READs of refused ones, hand the ones not decidable
+    here to the worker, and stamp the handshake."""
     metadata = wrapped(*args, **kwargs)
     if not _reads_by_pull(instance):
         return metadata  # push mode: no worker half could answer, so no handshake either
@@ -257,27 +331,47 @@ def refuse_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
         half.stamp(metadata)
         book = instance.__dict__.get("_hotfix_leases")
         if book is not None and len(book):
-            now = time.time()
+            now, perf, clocks = time.time(), time.perf_counter(), _clocks(instance)
             if getattr(metadata, "heartbeat_by_engine", None):
-                for req_id in book.pending():
-                    if req_id in instance._heartbeat_req_engine:
-                        book.judge(req_id, now)
+                _judge_at_heartbeats_that_leave(instance, book, clocks, now, perf)
             for req_id, req_meta in metadata.reqs_to_recv.items():
-                late = book.take_refusal(req_id, now)
-                if late is not None and half.may_act and _has_blocks(req_meta.local_block_ids):
+                engine = req_meta.remote.engine_id if req_meta.remote else None
+                late = book.take_refusal(req_id, now, clocks.now_on(engine, perf))
+                if not (half.may_act and _has_blocks(req_meta.local_block_ids)):
+                    book.hand_over(req_id)
+                elif late is not None:
                     setattr(req_meta, REFUSED_ATTR, round(late, 3))
-                    _count("lease_expired_refused")
-                    log.limited((FIX, "expired_refused"), "warning", "hotfix.lease.expired_refused",
-                                fix=FIX, req_id=req_id,
-                                remote_engine_id=req_meta.remote.engine_id if req_meta.remote else None,
-                                seconds_past_deadline=round(late, 3), margin_s=book.margin_s,
-                                action="the READ is declined before any byte moves: a failed "
-                                "remote load (kv_load_failure_policy decides)")
+                    _refused(req_id, engine, late, book.margin_s, "scheduler")
+                else:
+                    lease = book.hand_over(req_id)
+                    if lease is not None:  # first contact: the worker judges it after the handshake
+                        setattr(req_meta, LEASE_ATTR, lease)
     except Exception as exc:
         contain(FIX, "NixlBaseConnectorScheduler.build_connector_meta", exc,
                 fallback="this step's READs are sent unjudged (stock)")
         halves.give_up(instance, "_hotfix_lease_half", f"build_connector_meta failed: {exc}")
     return metadata
+
+
+def _judge_at_heartbeats_that_leave(nixl_scheduler, book: LeaseBook, clocks: PrefillClocks,
+                                    now: float, perf: float) -> None:
+    """A heartbeat for R leaves only to a prefill every worker rank has a handshake with (NIXL
+    skips the others): from then on D renews R's lease, so it is judged now, on P's clock."""
+    engines = nixl_scheduler._heartbeat_req_engine  # req_id -> (engine id, P's request id)
+    for req_id in book.pending():
+        engine = engines.get(req_id)
+        prefill_now = clocks.now_on(engine[0] if isinstance(engine, tuple) else engine, perf)
+        if prefill_now is not None:
+            book.judge(req_id, now, prefill_now)
+
+
+def _refused(req_id: str, engine, late: float, margin_s: float, where: str) -> None:
+    _count("lease_expired_refused")
+    log.limited((FIX, "expired_refused"), "warning", "hotfix.lease.expired_refused",
+                fix=FIX, req_id=req_id, remote_engine_id=engine, judged_by=where,
+                seconds_past_deadline=round(late, 3), margin_s=margin_s,
+                action="the READ is declined before any byte moves: a failed "
+                "remote load (kv_load_failure_policy decides)")
 
 
 def _reads_by_pull(nixl_scheduler) -> bool:
@@ -293,12 +387,15 @@ def _has_blocks(block_ids) -> bool:
 
 
 def hear_the_worker_halves(wrapped, instance, args, kwargs):
-    """The first connector output decides whether every worker rank has the worker half."""
+    """The first connector output decides whether every worker rank has the worker half;
+    every output may carry the ranks' offsets to prefill clocks."""
     try:
         scheduler = instance.connector_scheduler
         if scheduler is not None and _reads_by_pull(scheduler):
             meta = getattr(argument(args, kwargs, 0, "connector_output"), "kv_connector_worker_meta", None)
             _scheduler_half(scheduler).heard(meta)
+            if getattr(meta, "prefill_clocks", None):
+                _clocks(scheduler).heard(meta.prefill_clocks)
     except Exception as exc:
         contain(FIX, "NixlBaseConnector.update_connector_output", exc,
                 fallback="lease-guard degraded in this engine")
@@ -310,11 +407,15 @@ def hear_the_worker_halves(wrapped, instance, args, kwargs):
 # ---------------------------------------------------------------------------------------
 
 def decline_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
-    """A READ the EngineCore refused fails before any byte moves, as vLLM fails an expired
-    turn-2 readback; everything else is NIXL's own READ."""
+    """A READ the EngineCore refused, or one whose lease it left to the worker (the first
+    contact with that prefill) and that has lapsed on P's clock, fails before any byte moves,
+    as vLLM fails an expired turn-2 readback; everything else is NIXL's own READ."""
     try:
         req_id = argument(args, kwargs, 0, "req_id")
-        late = getattr(argument(args, kwargs, 1, "meta"), REFUSED_ATTR, None)
+        meta = argument(args, kwargs, 1, "meta")
+        late = getattr(meta, REFUSED_ATTR, None)
+        if late is None:
+            late = _refused_where_posted(instance, req_id, meta)
         if late is not None:
             _fail_before_reading(instance, req_id)
     except Exception as exc:
@@ -328,6 +429,26 @@ def decline_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
     except Exception as exc:
         contain(FIX, _READ_TARGET, exc, fallback="the declined READ is not counted")
     return None
+
+
+def _refused_where_posted(worker, req_id: str, meta) -> Optional[float]:
+    """The lease the EngineCore could not judge, judged here, after the handshake: on P's
+    clock with the offset vLLM measured in it (the wall-clock deadline only without one)."""
+    lease = getattr(meta, LEASE_ATTR, None)
+    if not lease:
+        return None
+    deadline, expiry = lease
+    engine = meta.remote.engine_id if meta.remote else None
+    offset = getattr(worker, "_engine_clock_offset", {}).get(engine)
+    now = time.time()
+    late = seconds_late(deadline, expiry, now, None if offset is None else time.perf_counter() + offset)
+    if late is None:
+        late = seconds_late(deadline, None, now, None)
+    margin = config.seconds(MARGIN_VAR, DEFAULT_MARGIN_S)
+    if late is None or late + margin < 0:
+        return None
+    _refused(req_id, engine, late, margin, "worker")
+    return round(late, 3)
 
 
 _READ_TARGET = "NixlPullConnectorWorker._read_blocks_for_req"
@@ -358,11 +479,41 @@ def announce_the_worker_half(wrapped, instance, args, kwargs):
         if bound is not None:
             half.bound(bound)
         if half.may_ship:
-            return answer_with(meta, present=half.presence())
+            report = state_of(instance, "_hotfix_lease_clocks", ClockReport)
+            changed = report.changed(getattr(instance.connector_worker, "_engine_clock_offset", {}),
+                                     getattr(bound, "scheduler_clock", 0.0) or 0.0)
+            return answer_with(meta, present=half.presence(),
+                               prefill_clocks={half.token: changed} if changed is not None else None)
     except Exception as exc:
         contain(FIX, "KVConnectorBase_V1.build_connector_worker_meta", exc,
                 fallback="no announcement this step")
     return meta
+
+
+class ClockReport:
+    """One worker rank: the offsets to prefill clocks it last reported to its EngineCore.
+
+    vLLM measures each offset against this worker's perf_counter in the NIXL handshake; the
+    EngineCore's clock differs from it by the least gap seen between a step's
+    ``scheduler_clock`` and this worker reading it (0 plus a delivery delay on one host: a
+    larger offset, the safe side). Reported again only when a prefill comes or goes or an
+    offset moves by more than ``tolerance_s``. Bounded by the handshakes vLLM keeps."""
+
+    def __init__(self, tolerance_s: float = 0.05) -> None:
+        self.tolerance_s = tolerance_s
+        self.gap: Optional[float] = None
+        self.last: Dict[str, float] = {}
+
+    def changed(self, offsets, scheduler_clock: float) -> Optional[Dict[str, float]]:
+        if scheduler_clock > 0:
+            gap = time.perf_counter() - scheduler_clock
+            self.gap = gap if self.gap is None else min(self.gap, gap)
+        now = {str(e): round(float(o) + (self.gap or 0.0), 3) for e, o in dict(offsets).items()}
+        if now.keys() == self.last.keys() and all(
+                abs(now[e] - self.last[e]) <= self.tolerance_s for e in now):
+            return None
+        self.last = now
+        return now
 
 
 def _count(kind: str) -> None:
