@@ -266,13 +266,21 @@ def read_all(directory: str) -> list:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie does not: it has exited and only waits for a parent to
+    reap it, which a container's init may never do."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OSError):
-        return True  # exists, not ours to signal
-    return True
+        pass  # exists, not ours to signal
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return True  # no /proc to ask: it exists
 
 
 def is_live(record: dict) -> bool:

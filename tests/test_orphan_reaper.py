@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from hotfix.status import pid_alive
 from hotfix.worlds.home import OWNER_VAR, clean_env, reap_orphans
 
 # The owner starts a long-lived "engine" in a session of its own, as the worlds do, prints its
@@ -101,3 +102,20 @@ def test_an_engine_whose_environ_was_renamed_away_is_reaped_by_its_dead_servers_
         for pid in (tracker, renamed):
             if pid and alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_an_exited_server_nobody_reaped_counts_as_gone():
+    """A killed run's API server can outlive its owner as a zombie: the owner died before it
+    reaped it, and a container's init may never do so. Its session is leaderless all the
+    same, or the engines in it would never be reaped (CI, stop 37)."""
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while alive(exited.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(f"/proc/{exited.pid}"), "a zombie until it is waited for"
+        assert not pid_alive(exited.pid)
+    finally:
+        exited.wait(10)
+    assert not pid_alive(exited.pid)
+    assert pid_alive(os.getpid())
