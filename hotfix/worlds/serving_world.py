@@ -308,6 +308,9 @@ QUESTION_WORDS = 40
 FIRST_ANSWER_TOKENS = 300  # D computes past LMCache's first 256-token chunk, so it stores it
 NEW_WORDS = 20
 ANSWER_TOKENS = 8
+# The turn a client leaves asks for more: it leaves at its first chunk of tokens, and a short
+# answer on a busy box can come whole in that chunk (the request would be over, not aborted).
+ABORTED_ANSWER_TOKENS = 64
 TPOT_MIN_TOKENS = 64
 
 
@@ -440,9 +443,10 @@ async def play_session(client, router: Router, plan: Plan, session: int, turns_o
     history = [words(plan.seed * 1000 + session * 10, QUESTION_WORDS)]
     for turn in range(plan.turns):
         stream = plan.stream(session, turn)
-        max_tokens = FIRST_ANSWER_TOKENS if turn == 0 else ANSWER_TOKENS
+        leaves = (session, turn) in plan.aborts
+        max_tokens = FIRST_ANSWER_TOKENS if turn == 0 else ABORTED_ANSWER_TOKENS if leaves else ANSWER_TOKENS
         sent = Turn(session, turn, plan.endpoint(session), stream, _body(plan.endpoint(session), history, max_tokens, stream))
-        abort = 2 if (session, turn) in plan.aborts else None
+        abort = 1 if leaves else None
         turns_out.append(await send(client, router.url(), sent, abort))
         on_turn(sent)
         if not sent.completed:
