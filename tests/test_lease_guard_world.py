@@ -102,11 +102,11 @@ def test_a_prefill_exports_when_its_lease_ends_in_the_params_it_returns():
 
 
 def test_a_late_request_is_refused_before_its_read_leaves(caplog):
-    past = time.time() - 40
-    assert not hasattr(shipped_read("S", **{DEADLINE_KEY: past}), REFUSED_ATTR)  # stock READs it
+    assert not hasattr(shipped_read("S", **{DEADLINE_KEY: time.time() - 40}), REFUSED_ATTR)  # stock READs it
 
     with hotfix_active(FIX), caplog.at_level(logging.WARNING, logger="vllm.hotfix"):
         before = counters()
+        past = time.time() - 40  # (after the patching, which took 5 s on a loaded box: CI)
         read = shipped_read("L", **{DEADLINE_KEY: past})
     assert getattr(read, REFUSED_ATTR) == pytest.approx(40, abs=2)
     assert delta(before) == {"lease_expired_refused": 1}
