@@ -148,8 +148,12 @@ def pytest_sessionstart(session):
     running in sessions of their own; they would slow this run's races and hold its memory."""
     from hotfix.worlds.home import reap_orphans
     from hotfix.worlds.pd_world import remove_orphaned_cpu_shm
+    from hotfix.worlds.two_hosts import reap_orphan_namespaces
 
     killed = reap_orphans()
     if killed:
         print(f"\nreaped {len(killed)} processes an earlier, killed run of the worlds left behind: {killed}")
     remove_orphaned_cpu_shm()
+    gone = reap_orphan_namespaces()
+    if gone:
+        print(f"\ndeleted the network namespaces of an earlier, killed run: {gone}")

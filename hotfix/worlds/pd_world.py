@@ -479,10 +479,11 @@ class PDWorld:
 
     def start(self, name: str, kv_transfer_config: dict, *, hotfix_home: Path | None = None,
               env: dict | None = None, engine_args: dict | None = None,
-              extra_path: tuple[Path, ...] = ()) -> Engine:
+              extra_path: tuple[Path, ...] = (), host=None) -> Engine:
         """Launch an engine; call ``wait_ready`` on it (engines may start side by side).
-        ``extra_path`` goes on its PYTHONPATH after this world's modules (an lmcache release)."""
-        args = (kv_transfer_config, hotfix_home, env, engine_args, extra_path)
+        ``extra_path`` goes on its PYTHONPATH after this world's modules (an lmcache release);
+        ``host``: a ``two_hosts.Host`` to run it in (default: this machine's loopback)."""
+        args = (kv_transfer_config, hotfix_home, env, engine_args, extra_path, host)
         engine = self._launch(name, *args)
         engine.relaunch = lambda: self._relaunch(engine, *args)
         self.engines.append(engine)
@@ -494,7 +495,7 @@ class PDWorld:
         fresh = self._launch(engine.name, *args)
         engine.log_path, engine.process, engine.conn = fresh.log_path, fresh.process, fresh.conn
 
-    def _launch(self, name, kv_transfer_config, hotfix_home, env, engine_args, extra_path) -> Engine:
+    def _launch(self, name, kv_transfer_config, hotfix_home, env, engine_args, extra_path, host) -> Engine:
         port = free_port()
         config_path = self.root / f"{name}.json"
         config_path.write_text(json.dumps({
@@ -517,14 +518,16 @@ class PDWorld:
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         })
+        full_env.update(host.env() if host is not None else {})
         full_env.update(env or {})
         ours, theirs = socket.socketpair()
         log_path = self.root / f"{name}.log"
         if log_path.exists():  # a relaunch: keep the failed start's log next to it
             log_path.rename(log_path.with_suffix(f".{int(time.time() * 1000)}.log"))
         with open(log_path, "wb") as log:
+            argv = [sys.executable, "-m", "pd_world", str(theirs.fileno()), str(config_path)]
             process = subprocess.Popen(
-                [sys.executable, "-m", "pd_world", str(theirs.fileno()), str(config_path)],
+                host.command(argv) if host is not None else argv,
                 cwd=self.root, env=full_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 pass_fds=(theirs.fileno(),), start_new_session=True,
             )

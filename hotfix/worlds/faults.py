@@ -1,0 +1,302 @@
+"""The faults world: the P/D world on two network hosts (``two_hosts``), a prefill on one and a
+stock and a hotfix decode side by side on the other, and one fault at a time injected while
+both decodes' READs cross the link. Each run yields one row per decode, the fault table's
+(``benchmarks/faults.py``; the CI's bounded variant is ``tests/test_faults_world.py``).
+
+A row says what the fault did to the request in flight and to the decode engine:
+- ``engine_deaths``: the decode engine is gone;
+- ``wrong_tokens``: the request answered with tokens other than P's local greedy decode and no
+  error (garbage, the worst outcome);
+- ``not_terminal``: the request had no answer ``bound_s`` + ``slack_s`` after the fault began
+  (a hung request: its client waits);
+- ``leaked_blocks``: once the fault cleared and the engine settled, blocks it still holds
+  (``reset_prefix_cache()`` refused; the count is load-bound's quarantine gauge where it has
+  one, else 1: held, count unknown);
+- ``recover_s``: seconds from the fault's start until the request's answer (an error counts:
+  it is terminal), ``None`` without one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hotfix.worlds.pd_world import (
+    RINGBUFFER_RECHECK_S,
+    VOCAB_SIZE,
+    Completion,
+    Engine,
+    EngineFailure,
+    PDWorld,
+    Request,
+    build_model,
+    decode_nixl_config,
+    decode_request,
+    prefill_config,
+    transfer,
+    warm_up,
+)
+from hotfix.worlds.two_hosts import TwoHosts
+
+PROMPT_TOKENS = 480  # 15 blocks, 480 KiB of the tiny model's KV
+# The link's rate: the prompt's READ takes ~4 s, a long prompt's over the bug report's 400 MB/s
+# in miniature (the tiny model's KV is 1 KiB a token).
+LINK_RATE = "1mbit"
+INJECT_AFTER_S = 1.5  # after the decodes got their requests: their READs are under way
+MAX_TOKENS = 8
+RECOMPUTED = "Recovered from KV load failure"  # vLLM's scheduler, when it reschedules a failed load
+SETTLE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Row:
+    fault: str
+    phase: str
+    variant: str
+    engine_deaths: int
+    wrong_tokens: int
+    not_terminal: int
+    leaked_blocks: int
+    recover_s: float | None
+    # "tokens" (READ), "recomputed" (a failed load, then kv_load_failure_policy=recompute),
+    # "error" (finish_reason), "none" (no answer at all), or the driver's failure
+    answer: str
+    nixl_failures: list  # NIXL's own failure reports on the decode during the run, by type
+    next_read_ok: bool  # once it cleared, a fresh request READ from the prefill and answered right
+
+
+BEFORE_READ = "before-READ"  # after P's prefill handed its params over, before D has the request
+MID_READ = "mid-READ"  # INJECT_AFTER_S after D got the request: its READ is crossing the link
+
+
+@dataclass
+class Fault:
+    """What is done at ``phase``, and how it clears ``clear_after_s`` after that."""
+
+    name: str
+    phase: str
+    inject: object  # (FaultsWorld) -> token for clear
+    clear: object  # (FaultsWorld, token) -> None
+    clear_after_s: float
+
+
+def _cut(world: "FaultsWorld"):
+    return world.net.cut()
+
+
+def _restore(world: "FaultsWorld", rate) -> None:
+    world.net.restore(rate)
+
+
+def _hang_prefill(world: "FaultsWorld"):
+    world.prefill.hang()
+
+
+def _resume_prefill(world: "FaultsWorld", _token) -> None:
+    world.prefill.resume()
+
+
+def _kill_prefill(world: "FaultsWorld"):
+    os.killpg(world.prefill.process.pid, signal.SIGKILL)
+
+
+def _restart_prefill(world: "FaultsWorld", _token) -> None:
+    world.restart_prefill()
+
+
+def faults(bound_s: float, slack_s: float) -> dict[tuple[str, str], Fault]:
+    """The table's faults by (name, phase). Each lasts the whole window in which a request
+    must be terminal (``bound_s`` + ``slack_s``), so an answer in it came despite the fault;
+    the hotfix's late report comes after it cleared."""
+    clear = bound_s + slack_s
+    table = {}
+    for phase in (BEFORE_READ, MID_READ):
+        table["partition", phase] = Fault("partition", phase, _cut, _restore, clear)
+        table["prefill_hung", phase] = Fault("prefill_hung", phase, _hang_prefill, _resume_prefill, clear)
+    table["prefill_killed", MID_READ] = Fault("prefill_killed", MID_READ, _kill_prefill, _restart_prefill, clear)
+    return table
+
+
+def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(length)]
+
+
+class FaultsWorld:
+    """The two hosts, the prefill and the two decodes (``stock``: no hotfix; ``hotfix``: every
+    fix, ``HOTFIX_LOAD_TIMEOUT_S=bound_s``), both with ``kv_load_failure_policy=recompute`` so
+    a request that survives a fault answers P's tokens. Warmed up (handshakes made) before the
+    link is shaped."""
+
+    def __init__(self, root: Path, base_env: dict, hotfix_home: Path, bound_s: float,
+                 slack_s: float) -> None:
+        self.root, self.bound_s, self.slack_s = root, bound_s, slack_s
+        self.net = TwoHosts()
+        self.world = PDWorld(root, build_model(root / "model"), base_env)
+        self.status_dir = root / "status-hotfix"
+        self._seed = 1000
+        self.prefill = self.decodes = None
+        self._start(hotfix_home)
+
+    def _start(self, home: Path) -> None:
+        self.net.__enter__()
+        try:
+            recompute = {**decode_nixl_config(), "kv_load_failure_policy": "recompute"}
+            self.prefill = self.world.start("prefill", prefill_config(), host=self.net.prefill,
+                                            engine_args={"enable_prefix_caching": False})
+            self._relaunch_prefill = self.prefill.relaunch
+            self.decodes = {
+                "stock": self.world.start("decode-stock", recompute, host=self.net.decode),
+                "hotfix": self.world.start(
+                    "decode-hotfix", recompute, host=self.net.decode, hotfix_home=home,
+                    env={"HOTFIX_LOAD_TIMEOUT_S": str(self.bound_s), "HOTFIX_STATUS_DIR": str(self.status_dir),
+                         "VLLM_RINGBUFFER_WARNING_INTERVAL": RINGBUFFER_RECHECK_S}),
+            }
+            for engine in self.world.engines:
+                engine.wait_ready()
+            for decode in self.decodes.values():
+                warm_up(self.prefill, decode)
+            self.net.shape(LINK_RATE)
+        except BaseException:
+            self.close()
+            raise
+
+    def restart_prefill(self) -> None:
+        """A new prefill on the same host, on fresh ports (the dead one's NIXL side channel is
+        gone with it), its handshakes with the decodes made over the unshaped link."""
+        rate = self.net.rate
+        self.net.shape(None)
+        self._relaunch_prefill()
+        self.prefill.wait_ready()
+        for decode in self.decodes.values():
+            warm_up(self.prefill, decode)
+        self.net.shape(rate)
+
+    def close(self) -> None:
+        self.world.close()
+        self.net.close()
+
+    def __enter__(self) -> "FaultsWorld":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def next_prompt(self) -> list[int]:
+        self._seed += 1
+        return prompt(self._seed)
+
+    def run(self, fault: Fault) -> list[Row]:
+        """Both decodes get a request, the fault strikes mid-READ and clears; one row each."""
+        prompts = {name: self.next_prompt() for name in self.decodes}
+        expected = {name: self.prefill.generate([Request(t, MAX_TOKENS)])[0].token_ids
+                    for name, t in prompts.items()}
+        requests = {name: decode_request(self.prefill, t, MAX_TOKENS, False) for name, t in prompts.items()}
+        logged = {name: len(decode.log()) for name, decode in self.decodes.items()}
+        if fault.phase == BEFORE_READ:
+            began, token = time.monotonic(), fault.inject(self)
+        for name, decode in self.decodes.items():
+            decode.submit([requests[name]])
+        if fault.phase == MID_READ:
+            time.sleep(INJECT_AFTER_S)
+            began, token = time.monotonic(), fault.inject(self)
+        answered = self._answers_until(began, fault, token)
+        rows = []
+        for name, decode in self.decodes.items():
+            got = answered.get(name)
+            completion = got[1] if got else self._late_completion(decode)
+            ok = isinstance(completion, Completion) and completion.finish_reason != "error"
+            wrong = int(ok and completion.token_ids != expected[name])
+            rows.append(Row(fault.name, fault.phase, name, 0, wrong, int(got is None), 0,
+                            round(got[0], 1) if got else None, _answer(completion), [], False))
+        for row, (name, decode) in zip(rows, self.decodes.items()):
+            row.engine_deaths = int(not decode.alive())
+            row.leaked_blocks = 0 if row.engine_deaths else self._held_blocks(decode)
+            row.nixl_failures = decode.nixl_failures(logged[name])
+            if row.answer == "tokens" and RECOMPUTED in decode.log()[logged[name]:]:
+                row.answer = "recomputed"
+        for row, name in zip(rows, self.decodes):
+            row.next_read_ok = not row.engine_deaths and self.reads_right(name)
+        if not all(row.next_read_ok for row in rows):
+            self.restart_prefill()  # the next fault starts from fresh NIXL endpoints
+        return rows
+
+    def _answers_until(self, began: float, fault: Fault, token) -> dict:
+        """Each decode's (seconds after ``began``, completion), as they come, until both
+        answered and the fault cleared (or the window for a terminal answer passed)."""
+        answered, cleared = {}, False
+        window = self.bound_s + self.slack_s
+        while True:
+            elapsed = time.monotonic() - began
+            if not cleared and elapsed >= fault.clear_after_s:
+                fault.clear(self, token)
+                cleared = True
+            if cleared and (len(answered) == len(self.decodes) or elapsed >= window):
+                return answered
+            for name, decode in self.decodes.items():
+                if name not in answered and decode.alive() and decode.answered(0.1):
+                    answered[name] = (time.monotonic() - began, self._completion(decode))
+
+    @staticmethod
+    def _completion(decode: Engine):
+        try:
+            (completion,) = decode.completions(timeout=5)
+            return completion
+        except EngineFailure as exc:
+            return f"{exc.kind}: {exc.message}"[:200]
+
+    def _late_completion(self, decode: Engine):
+        """The answer of a request that was not terminal in time, once the fault cleared (so
+        the next run starts clean), or None if it never comes."""
+        if not decode.alive():
+            return None
+        try:
+            (completion,) = decode.completions(timeout=SETTLE_TIMEOUT_S)
+            return completion
+        except EngineFailure as exc:
+            return f"{exc.kind}: {exc.message}"[:200]
+
+    def _held_blocks(self, decode: Engine) -> int:
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if decode.reset_prefix_cache():
+                return 0
+            time.sleep(2)
+        return max(1, self._quarantined()) if decode is self.decodes["hotfix"] else 1
+
+    def _quarantined(self) -> int:
+        return sum(r["gauges"].get("load-bound", {}).get("blocks_quarantined_now", 0) for r in self._records())
+
+    def load_bound_counts(self) -> dict:
+        """The hotfix decode's load-bound counters (timed-out loads, late reports)."""
+        kinds = ("timed_out_nixl", "late_report")
+        return {k: sum(r["counters"].get("load-bound", {}).get(k, 0) for r in self._records()) for k in kinds}
+
+    def _records(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in self.status_dir.glob("*.json")]
+
+    def reads_right(self, name: str) -> bool:
+        """A fresh request READs its KV from the prefill across the link (no NIXL failure, no
+        recompute) and answers P's tokens."""
+        decode = self.decodes[name]
+        tokens, logged = self.next_prompt(), len(decode.log())
+        expected = self.prefill.generate([Request(tokens, MAX_TOKENS)])[0].token_ids
+        got = transfer(self.prefill, decode, tokens, MAX_TOKENS)
+        log = decode.log()[logged:]
+        return got == expected and not decode.nixl_failures(logged) and RECOMPUTED not in log
+
+
+def _answer(completion) -> str:
+    if completion is None:
+        return "none"
+    if isinstance(completion, Completion):
+        return "error" if completion.finish_reason == "error" else "tokens"
+    return completion
+
+
+def table(rows: list[Row]) -> dict:
+    return {"rows": [asdict(r) for r in rows]}
