@@ -8,7 +8,7 @@ window a request must be terminal in (``--bound`` + ``--slack``). One row per fa
 variant: engine deaths, wrong tokens, requests not terminal in the window, blocks still held
 once the fault cleared, seconds to the request's answer, and what the answer was.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/faults.py [--quick] [--json]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/faults.py [--quick] [--fault NAME:PHASE] [--json]
 
 ``--quick``: the CI variant's fault only (``tests/test_faults_world.py``). Needs root and
 iproute2 (network namespaces).
@@ -38,11 +38,19 @@ def main() -> None:
     parser.add_argument("--bound", type=float, default=15.0, help="HOTFIX_LOAD_TIMEOUT_S (s)")
     parser.add_argument("--slack", type=float, default=30.0, help="the window past the bound (s)")
     parser.add_argument("--keep", type=Path, help="run in this directory and keep the engines' logs")
+    parser.add_argument("--fault", action="append", metavar="NAME:PHASE",
+                        help="only this row (repeatable), e.g. partition:mid-READ")
     args = parser.parse_args()
 
     chosen = faults(args.bound, args.slack)  # prefill_killed last: it restarts the prefill
     if args.quick:
         chosen = {("prefill_hung", BEFORE_READ): chosen["prefill_hung", BEFORE_READ]}
+    if args.fault:
+        wanted = [tuple(f.split(":", 1)) for f in args.fault]
+        unknown = [f for f in wanted if f not in chosen]
+        if unknown:
+            parser.error(f"--fault {unknown}: want one of {[':'.join(k) for k in chosen]}")
+        chosen = {key: chosen[key] for key in wanted}
     rows, began = [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
         root = args.keep or Path(tmp)
