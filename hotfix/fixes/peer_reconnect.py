@@ -13,8 +13,8 @@ no re-handshake at all; 0.32+ re-handshake a failed peer only once its metadata 
 
 The fix does what a restart does, for that prefill only: a worker that logged a remote
 disconnect for a prefill's READ releases that prefill's NIXL state with vLLM's own
-``_cleanup_remote_engine`` (what its TTL eviction calls) at the start of its next
-``start_load_kv``, once no READ, ready request or handshake of that prefill is left; the
+``_cleanup_remote_engine`` (what its TTL eviction calls) when the connector next hands it a
+step (``start_load_kv``), once no READ, ready request or handshake of that prefill is left; the
 requests of that step then find the engine unknown and handshake again (a fresh agent, a new
 endpoint). A request that fails meanwhile goes through vLLM's failure policy as on stock.
 
@@ -45,12 +45,11 @@ SPEC = FixSpec(
         # Where NIXL's worker reports every transfer failure, with the error and the request.
         Target(f"{_NIXL}.base_worker", f"{_CLS}._log_failure", "note_disconnected_prefill", "worker",
                {"938c8244b770cec1": Shape("0.27.0-0.34.0")}),
-        # Where the worker starts the step's READs and handshakes: released before them.
-        Target(f"{_NIXL}.pull_worker", "NixlPullConnectorWorker.start_load_kv",
+        # Where the connector hands the step to its worker, which starts the step's READs and
+        # handshakes: released before them.
+        Target(f"{_NIXL}.connector", "NixlPullConnector.start_load_kv",
                "reconnect_disconnected_prefills", "worker",
-               {"8dbe3b73305be9d3": Shape("0.27.0-0.28.0"), "fbf01d2fbb377881": Shape("0.29.0"),
-                "d43b28a774241007": Shape("0.30.0"), "7940533b664249eb": Shape("0.31.0"),
-                "1277bc62dfb68d64": Shape("0.32.0-0.34.0")}),
+               {"e394bbc7b3b1b885": Shape("0.27.0-0.34.0")}),
         # vLLM's own release of a remote engine's state (TTL eviction, shutdown): called as is.
         Target(f"{_NIXL}.base_worker", f"{_CLS}._cleanup_remote_engine", "", "worker",
                {"c384f62d32484d37": Shape("0.27.0-0.29.0", LEAVE), "15a9fc931986139b": Shape("0.30.0", LEAVE),
@@ -139,18 +138,19 @@ def _prefill_of(worker, args, kwargs):
 def reconnect_disconnected_prefills(wrapped, instance, args, kwargs):
     """Release each disconnected prefill nothing uses any more, then start the step's loads:
     its requests handshake that prefill again."""
-    book = instance.__dict__.get("_hotfix_disconnected")
+    worker = getattr(instance, "connector_worker", None)
+    book = worker.__dict__.get("_hotfix_disconnected") if worker is not None else None
     if book:
         try:
-            for engine_id in book.releasable(_prefills_in_use(instance)):
-                if engine_id in instance._remote_agents:
-                    instance._cleanup_remote_engine(engine_id, log_eviction=False)
+            for engine_id in book.releasable(_prefills_in_use(worker)):
+                if engine_id in worker._remote_agents:
+                    worker._cleanup_remote_engine(engine_id, log_eviction=False)
                     _count("released")
                     log.warning("hotfix.nixl.prefill_reconnect", fix=FIX, engine_id=engine_id,
                                 reason="a READ lost this prefill to a remote disconnect; its next "
                                 "request handshakes again")
         except Exception as exc:
-            contain(FIX, "NixlPullConnectorWorker.start_load_kv", exc, fallback="nothing released this step")
+            contain(FIX, "NixlPullConnector.start_load_kv", exc, fallback="nothing released this step")
     return wrapped(*args, **kwargs)
 
 
