@@ -11,8 +11,8 @@ restarted (measured: ``benchmarks/nixl_post.py``, ``benchmarks/faults.py``). 0.2
 no re-handshake at all; 0.32+ re-handshake a failed peer only once its metadata is gone
 (vLLM #55471's check), which this NIXL never does.
 
-The fix does what a restart does, for that prefill only: a worker that logged a remote
-disconnect for a prefill's READ releases that prefill's NIXL state with vLLM's own
+The fix does what a restart does, for that prefill only: a worker that failed a READ on a
+remote disconnect releases that prefill's NIXL state with vLLM's own
 ``_cleanup_remote_engine`` (what its TTL eviction calls) when the connector next hands it a
 step (``start_load_kv``), once no READ, ready request or handshake of that prefill is left; the
 requests of that step then find the engine unknown and handshake again (a fresh agent, a new
@@ -25,6 +25,7 @@ oldest is dropped, logged). Safe fallback on an internal error: nothing released
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 
 from hotfix import log, status
@@ -42,9 +43,11 @@ SPEC = FixSpec(
     title="a prefill a READ lost to a network fault is handshaken again, not failed until a restart",
     defects=("D12",),
     targets=(
-        # Where NIXL's worker reports every transfer failure, with the error and the request.
-        Target(f"{_NIXL}.base_worker", f"{_CLS}._log_failure", "note_disconnected_prefill", "worker",
-               {"938c8244b770cec1": Shape("0.27.0-0.34.0")}),
+        # Where NIXL's worker fails a request's READ: inside the `except` that caught NIXL's
+        # error (a failed setup or a failed state check), right after logging it.
+        Target(f"{_NIXL}.base_worker", f"{_CLS}._handle_failed_transfer", "note_disconnected_prefill",
+               "worker", {"50134fb19c89ff3c": Shape("0.27.0-0.29.0"), "9560b4fb1f2c26d3": Shape("0.30.0"),
+                          "73807639bc3b7812": Shape("0.31.0"), "c2634ba0a6c48177": Shape("0.32.0-0.34.0")}),
         # Where the connector hands the step to its worker, which starts the step's READs and
         # handshakes: released before them.
         Target(f"{_NIXL}.connector", "NixlPullConnector.start_load_kv",
@@ -102,37 +105,29 @@ class DisconnectedPrefills:
 
 
 def note_disconnected_prefill(wrapped, instance, args, kwargs):
-    """Log as vLLM does; remember the prefill of a READ the network lost."""
-    result = wrapped(*args, **kwargs)
+    """Remember the prefill of a READ the network lost, then fail the request as vLLM does.
+    NIXL's error is the exception being handled: vLLM calls this from the ``except`` that
+    caught it."""
     try:
-        error = kwargs.get("error", args[3] if len(args) > 3 else None)
+        error = sys.exc_info()[1]
         if _is_remote_disconnect(error):
-            engine_id = _prefill_of(instance, args, kwargs)
-            if engine_id is not None:
-                dropped = state_of(instance, "_hotfix_disconnected", DisconnectedPrefills).note(engine_id)
+            meta = instance._recving_metadata.get(args[0] if args else kwargs.get("req_id"))
+            if meta is not None and meta.remote is not None:
+                book = state_of(instance, "_hotfix_disconnected", DisconnectedPrefills)
+                dropped = book.note(meta.remote.engine_id)
                 if dropped is not None:
                     _count("dropped")
                     log.error("hotfix.nixl.reconnect_dropped", fix=FIX, engine_id=dropped,
                               reason=f"more than {MAX_PENDING} prefills awaiting release; the oldest is left as stock")
     except Exception as exc:
-        contain(FIX, f"{_CLS}._log_failure", exc, fallback="this failure's prefill left as stock")
-    return result
+        contain(FIX, f"{_CLS}._handle_failed_transfer", exc, fallback="this failure's prefill left as stock")
+    return wrapped(*args, **kwargs)
 
 
 def _is_remote_disconnect(error) -> bool:
     """NIXL's ``nixlRemoteDisconnectError`` (Python bindings), or its status in a message."""
     return error is not None and (type(error).__name__ == "nixlRemoteDisconnectError"
                                   or DISCONNECTED in str(error))
-
-
-def _prefill_of(worker, args, kwargs):
-    meta = kwargs.get("meta", args[4] if len(args) > 4 else None)
-    if meta is None:
-        req_id = kwargs.get("req_id", args[1] if len(args) > 1 else None)
-        meta = worker._recving_metadata.get(req_id) if req_id is not None else None
-    if meta is not None and getattr(meta, "remote", None) is not None:
-        return meta.remote.engine_id
-    return kwargs.get("dst_engine_id") or kwargs.get("remote_engine_id")
 
 
 def reconnect_disconnected_prefills(wrapped, instance, args, kwargs):
