@@ -21,7 +21,8 @@ from hotfix.worlds.scheduler_world import nixl_pull
 from hotfix.worlds.timeline import Arrive, LoadFailed
 from tests.worlds.verdicts import finished, run_fixed, run_stock
 
-FIXES = ("recv-barrier", "xfer-guard", "pull-pin", "lease-guard", "nixl-settle", "load-bound", "hybrid-fail")
+FIXES = ("recv-barrier", "xfer-guard", "pull-pin", "lease-guard", "nixl-settle", "load-bound", "hybrid-fail",
+         "peer-reconnect")
 FAILS_AT = 2
 
 

@@ -167,4 +167,5 @@ def test_real_fixes_report_apply_on_the_installed_vllm_without_importing_it(tmp_
     assert decisions == {"recv-barrier": (True, "known_shape"), "xfer-guard": (True, "known_shape"),
                          "pull-pin": (True, "known_shape"), "nixl-settle": d7,
                          "lease-guard": (True, "known_shape"), "load-bound": (True, "known_shape"),
-                         "hybrid-fail": d7}  # D9: fixed in 0.30 too
+                         "hybrid-fail": d7,  # D9: fixed in 0.30 too
+                         "peer-reconnect": (True, "known_shape")}

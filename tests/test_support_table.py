@@ -12,7 +12,8 @@ import pytest
 
 from conftest import REPO, clean_env, run_py
 
-FIXES = ("recv-barrier", "xfer-guard", "pull-pin", "nixl-settle", "lease-guard", "load-bound", "hybrid-fail")
+FIXES = ("recv-barrier", "xfer-guard", "pull-pin", "nixl-settle", "lease-guard", "load-bound", "hybrid-fail",
+         "peer-reconnect")
 RELEASES = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 SUPPORT = {release: {fix: "applies" for fix in FIXES} for release in RELEASES}
 for _release in ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"):  # D7 and D9 are fixed in vLLM 0.30.0

@@ -108,6 +108,18 @@ def _restart_prefill(world: "FaultsWorld", _token) -> None:
     world.restart_prefill()
 
 
+def _replace_prefill_at_its_address(world: "FaultsWorld"):
+    """P killed and a new one started on the same NIXL side-channel address, no handshake
+    made with it yet: the decodes still hold the dead P's agent, and the requests P handed
+    over name the dead P's engine id."""
+    _kill_prefill(world)
+    world.restart_prefill(same_address=True, handshake=False)
+
+
+def _nothing(world: "FaultsWorld", _token) -> None:
+    pass
+
+
 def faults(bound_s: float, slack_s: float) -> dict[tuple[str, str], Fault]:
     """The table's faults by (name, phase). Each lasts the whole window in which a request
     must be terminal (``bound_s`` + ``slack_s``), so an answer in it came despite the fault;
@@ -118,6 +130,8 @@ def faults(bound_s: float, slack_s: float) -> dict[tuple[str, str], Fault]:
         table["partition", phase] = Fault("partition", phase, _cut, _restore, clear)
         table["prefill_hung", phase] = Fault("prefill_hung", phase, _hang_prefill, _resume_prefill, clear)
     table["prefill_killed", MID_READ] = Fault("prefill_killed", MID_READ, _kill_prefill, _restart_prefill, clear)
+    table["prefill_replaced_same_address", BEFORE_READ] = Fault(
+        "prefill_replaced_same_address", BEFORE_READ, _replace_prefill_at_its_address, _nothing, 0.0)
     return table
 
 
@@ -165,14 +179,15 @@ class FaultsWorld:
             self.close()
             raise
 
-    def restart_prefill(self) -> None:
-        """A new prefill on the same host, on fresh ports (the dead one's NIXL side channel is
-        gone with it), its handshakes with the decodes made over the unshaped link."""
+    def restart_prefill(self, same_address: bool = False, handshake: bool = True) -> None:
+        """A new prefill on the same host, on fresh ports (or its NIXL side channel on the
+        old one's, ``same_address``), with its handshakes with the decodes made over the
+        unshaped link (or left to the next request, ``handshake=False``)."""
         rate = self.net.rate
         self.net.shape(None)
-        self._relaunch_prefill()
+        self._relaunch_prefill(same_address=same_address)
         self.prefill.wait_ready()
-        for decode in self.decodes.values():
+        for decode in self.decodes.values() if handshake else ():
             warm_up(self.prefill, decode)
         self.net.shape(rate)
 
@@ -197,8 +212,9 @@ class FaultsWorld:
                     for name, t in prompts.items()}
         requests = {name: decode_request(self.prefill, t, MAX_TOKENS, False) for name, t in prompts.items()}
         logged = {name: len(decode.log()) for name, decode in self.decodes.items()}
-        if fault.phase == BEFORE_READ:
-            began, token = time.monotonic(), fault.inject(self)
+        if fault.phase == BEFORE_READ:  # (the clock starts once it is in place: a restart takes long)
+            token = fault.inject(self)
+            began = time.monotonic()
         for name, decode in self.decodes.items():
             decode.submit([requests[name]])
         if fault.phase == MID_READ:

@@ -50,7 +50,11 @@ class FakeNixlAgent:
       transfer runs, then ``"DONE"`` or ``"ERR"`` — scripted per handle with :meth:`finish`;
       a handle the caller released must not be checked again (the real agent would fail);
     - ``get_xfer_telemetry`` returns the transfer's counters; ``release_xfer_handle`` frees
-      the handle; ``get_new_notifs`` returns the notifications received (none here).
+      the handle; ``get_new_notifs`` returns the notifications received (none here);
+    - a peer UCX lost (:meth:`disconnect`: a partition past UCX's peer timeout): its handles in
+      flight fail in ``check_xfer_state`` and every later ``transfer`` to it fails, both with
+      ``nixlRemoteDisconnectError``, until the agent is removed (``remove_remote_agent``) and
+      loaded again — what NIXL 1.5.1 does (``benchmarks/nixl_post.py``).
     It does not model UCX itself, data movement, or timing.
     """
 
@@ -62,11 +66,16 @@ class FakeNixlAgent:
         self.dlist_owner: Dict[int, str] = {}  # prepped descriptor list -> agent it targets
         self.released: List[int] = []
         self.failing_setups: Set[str] = set()
+        self.disconnected: Set[str] = set()
+        self.removed: List[str] = []
         self.misuse: List[str] = []  # calls the real agent would reject
 
     # test script ----------------------------------------------------------------
     def fail_setup_to(self, agent_name: str) -> None:
         self.failing_setups.add(agent_name)
+
+    def disconnect(self, agent_name: str) -> None:
+        self.disconnected.add(agent_name)
 
     def finish(self, handle: int, state: str = "DONE") -> None:
         assert self.states.get(handle) == "PROC", (handle, self.states.get(handle))
@@ -102,8 +111,12 @@ class FakeNixlAgent:
     def add_remote_agent(self, metadata: bytes) -> str:
         return metadata.decode()
 
-    def remove_remote_agent(self, *args, **kwargs) -> None:
-        pass
+    def check_remote_metadata(self, agent_name: str, *args, **kwargs) -> bool:
+        return True  # loaded, disconnected or not (NIXL 1.5.1 keeps a lost peer's metadata)
+
+    def remove_remote_agent(self, agent_name: str, *args, **kwargs) -> None:
+        self.removed.append(agent_name)
+        self.disconnected.discard(agent_name)  # loaded again later: a new endpoint
 
     def make_prepped_xfer(self, op, local_handle, local_ids, remote_handle, remote_ids,
                           notif_msg=None, *args, **kwargs) -> int:
@@ -116,12 +129,16 @@ class FakeNixlAgent:
         return handle
 
     def transfer(self, handle: int, *args, **kwargs) -> str:
+        if self.peer_of.get(handle) in self.disconnected:
+            raise nixlRemoteDisconnectError(f"NIXL_ERR_REMOTE_DISCONNECT: {self.peer_of[handle]} was disconnected")
         return "PROC"
 
     def check_xfer_state(self, handle: int) -> str:
         if handle not in self.states:
             self.misuse.append(f"check_xfer_state({handle}) after release")
             return "ERR"
+        if self.states[handle] == "PROC" and self.peer_of.get(handle) in self.disconnected:
+            raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
         return self.states[handle]
 
     def get_xfer_telemetry(self, handle: int):
@@ -137,6 +154,10 @@ class FakeNixlAgent:
 
     def get_new_notifs(self) -> dict:
         return {}
+
+
+class nixlRemoteDisconnectError(RuntimeError):  # noqa: N801  (the NIXL bindings' class name)
+    """What NIXL's Python bindings raise for ``NIXL_ERR_REMOTE_DISCONNECT``."""
 
 
 class _Telemetry:

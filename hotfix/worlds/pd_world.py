@@ -307,6 +307,7 @@ class Engine:
     start_s: float = 0.0
 
     relaunch = None  # set by PDWorld.start
+    side_channel_port = 0  # its NIXL side channel's (VLLM_NIXL_SIDE_CHANNEL_PORT)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
         """Wait for the engine; a start that lost a port race (another engine or process took
@@ -485,18 +486,21 @@ class PDWorld:
         ``host``: a ``two_hosts.Host`` to run it in (default: this machine's loopback)."""
         args = (kv_transfer_config, hotfix_home, env, engine_args, extra_path, host)
         engine = self._launch(name, *args)
-        engine.relaunch = lambda: self._relaunch(engine, *args)
+        engine.relaunch = lambda same_address=False: self._relaunch(engine, *args, same_address=same_address)
         self.engines.append(engine)
         return engine
 
-    def _relaunch(self, engine: "Engine", *args) -> None:
-        """Start ``engine`` again in place, on fresh ports (its old tree is ended first)."""
+    def _relaunch(self, engine: "Engine", *args, same_address: bool = False) -> None:
+        """Start ``engine`` again in place (its old tree is ended first), on fresh ports, or
+        with its NIXL side channel on the port it had (``same_address``: what a restarted pod
+        behind the same service address looks like to a decode)."""
         engine.end(time.monotonic())
-        fresh = self._launch(engine.name, *args)
+        fresh = self._launch(engine.name, *args, side_channel_port=engine.side_channel_port if same_address else None)
         engine.log_path, engine.process, engine.conn = fresh.log_path, fresh.process, fresh.conn
 
-    def _launch(self, name, kv_transfer_config, hotfix_home, env, engine_args, extra_path, host) -> Engine:
-        port = free_port()
+    def _launch(self, name, kv_transfer_config, hotfix_home, env, engine_args, extra_path, host,
+                side_channel_port: int | None = None) -> Engine:
+        port = side_channel_port or free_port()
         config_path = self.root / f"{name}.json"
         config_path.write_text(json.dumps({
             "model": str(self.model), "kv_transfer_config": kv_transfer_config,
@@ -532,7 +536,9 @@ class PDWorld:
                 pass_fds=(theirs.fileno(),), start_new_session=True,
             )
         theirs.close()
-        return Engine(name, log_path, process, Connection(ours.detach()))
+        engine = Engine(name, log_path, process, Connection(ours.detach()))
+        engine.side_channel_port = port
+        return engine
 
     def close(self, grace: float = 30.0) -> None:
         """Shut every engine down side by side; none outlives this call, nor its TP
