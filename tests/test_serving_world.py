@@ -69,7 +69,9 @@ def test_hotfix_serves_every_session_through_an_abort_and_a_prefill_crash(served
     report, world, _ = served["hotfix"]
     assert report.engine_deaths == 0, report.death_lines
     assert report.mismatched_responses == 0, [t.mismatch for t in report.turns if t.mismatch]
-    assert (report.aborts, report.prefill_kills) == (1, 1), report.summary()
+    assert (report.aborts, report.prefill_kills) == (1, 1), (
+        report.summary(), [(t.session, t.turn, t.status, t.error) for t in report.turns if not t.completed],
+        world.decode.log_tail(60))
     assert report.failed_without_a_crash == [], \
         [(t.session, t.turn, t.status, t.error) for t in report.failed_without_a_crash]
     assert "due to KV load failure (failure_policy=fail" in world.decode.log() or not report.failed
