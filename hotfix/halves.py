@@ -37,8 +37,9 @@ from hotfix import log, status
 
 #: Bump whenever what a half ships to the other changes (a class in the worker metadata, a
 #: field's meaning). 1 was the unversioned ``hotfix_halves`` stamp (up to 932d821); 2 lasted
-#: until lease-guard's worker half judged leases and reported prefill clocks.
-WIRE_VERSION = 3
+#: until lease-guard's worker half judged leases and reported prefill clocks; 3 until
+#: lease-guard's EngineCore left READs to the prefill's confirmation (``hotfix_lease_confirm``).
+WIRE_VERSION = 4
 STAMP_PREFIX = "hotfix_halves"
 STAMP_ATTR = f"{STAMP_PREFIX}_w{WIRE_VERSION}"
 WAITING, AGREED, DEGRADED = "waiting", "agreed", "degraded"

@@ -134,6 +134,27 @@ def marked_by_selected_tests(request, marker: str) -> list[tuple]:
 
 
 @pytest.fixture
+def decode_worlds(monkeypatch):
+    """A builder of NIXL decode worlds (vLLM's real NIXL worker, a fake agent), closed after."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:  # a --no-deps vLLM (0.33.0, 0.34.0): no platform
+        pytest.skip("NIXL's worker needs a vLLM platform with a device type")
+    from hotfix.worlds.nixl_worker import DecodeWorld
+
+    worlds = []
+
+    def build():
+        worlds.append(DecodeWorld(monkeypatch))
+        return worlds[-1]
+
+    yield build
+    for w in worlds:
+        w.close()
+
+
+@pytest.fixture
 def home(tmp_path):
     return install_home(tmp_path / "home")
 

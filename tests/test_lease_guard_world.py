@@ -73,20 +73,10 @@ def wall_clock_off_by(monkeypatch):
     return set_skew
 
 
-def finished_prefill(world: World, req: str):
-    from vllm.v1.request import RequestStatus
-
-    request = world.make_request(Arrive(0, req))
-    request.kv_transfer_params = {"do_remote_decode": True}
-    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    request.num_computed_tokens = 64
-    return request
-
-
 def test_a_prefill_exports_when_its_lease_ends_in_the_params_it_returns():
     stock = World([nixl_pull()])
     delay, params = stock.child("nixl").connector_scheduler.request_finished(
-        finished_prefill(stock, "P0"), ([1, 2, 3, 4],))
+        stock.finished_prefill("P0"), ([1, 2, 3, 4],))
     assert delay and params["do_remote_prefill"] and DEADLINE_KEY not in params  # stock: no deadline
 
     with hotfix_active(FIX):
@@ -94,7 +84,7 @@ def test_a_prefill_exports_when_its_lease_ends_in_the_params_it_returns():
         before = counters()
         now = time.time()
         delay, params = world.child("nixl").connector_scheduler.request_finished(
-            finished_prefill(world, "P1"), ([1, 2, 3, 4],))
+            world.finished_prefill("P1"), ([1, 2, 3, 4],))
     assert delay and params[DEADLINE_KEY] == pytest.approx(now + LEASE_S, abs=1.0)
     # and on P's own clock, the one its NIXL handshake listener reports to a decode
     assert params[EXPIRY_KEY] == pytest.approx(time.perf_counter() + LEASE_S, abs=1.0)
@@ -217,23 +207,8 @@ def test_a_heartbeat_that_leaves_in_time_makes_the_lease_trusted_for_a_later_rea
 # ---------------------------------------------------------------------------------------
 
 @pytest.fixture
-def decode(monkeypatch):
-    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
-    from vllm.platforms import current_platform
-
-    if not current_platform.device_type:  # a --no-deps vLLM (the 0.33.0 leg): no platform
-        pytest.skip("NIXL's worker needs a vLLM platform with a device type")
-    from hotfix.worlds.nixl_worker import DecodeWorld
-
-    worlds = []
-
-    def build():
-        worlds.append(DecodeWorld(monkeypatch))
-        return worlds[-1]
-
-    yield build
-    for w in worlds:
-        w.close()
+def decode(decode_worlds):
+    return decode_worlds
 
 
 def read_into(world, **marks):

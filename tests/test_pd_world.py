@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, install_home, marked_by_selected_tests, settled_status
-from hotfix.fixes.lease_guard import DEADLINE_KEY, EXPIRY_KEY
+from hotfix.fixes.lease_guard import CONFIRM_KEY, DEADLINE_KEY, EXPIRY_KEY
 from hotfix.worlds.pd_world import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -41,6 +41,7 @@ from hotfix.worlds.pd_world import (
     decode_bug_report_config,
     decode_nixl_config,
     prefill_config,
+    POST_PAUSE_VAR,
     prefill_params,
     read_blocks,
     timeline,
@@ -74,6 +75,7 @@ class Engines:
     prefill: Engine
     pin_status: Path
     half_status: Path
+    root: Path
     nixl: Engine | None = None
     stock: Engine | None = None
     stock_abort: Engine | None = None  # a second stock engine: the abort scenario kills it too
@@ -103,14 +105,15 @@ def pd(request, tmp_path_factory):
            "kv_load_failure_policy": "recompute"}
     with PDWorld(root, build_model(root / "model"), clean_env()) as world:
         decodes = {
-            "nixl": lambda: world.start("decode-nixl", decode_nixl_config()),
+            "nixl": lambda: world.start("decode-nixl", decode_nixl_config(),
+                                        env={POST_PAUSE_VAR: str(pause_file(root, "nixl"))}),
             "stock": lambda: world.start("decode-stock", bug_report),
             "stock_abort": lambda: world.start("decode-stock-abort", bug_report),
             "hotfix": lambda: world.start("decode-hotfix", bug_report, hotfix_home=home),
             "pin": lambda: world.start(
                 "decode-pin", pin, hotfix_home=home,
                 env={"HOTFIX_RECV_BARRIER": "off", "HOTFIX_STATUS_DIR": str(pin_status),
-                     "HOTFIX_LEASE_GUARD_MARGIN_S": "1"}),
+                     "HOTFIX_LEASE_GUARD_MARGIN_S": "1", POST_PAUSE_VAR: str(pause_file(root, "pin"))}),
             "half": lambda: world.start(
                 "decode-half", decode_bug_report_config(READ_DELAY_STEPS, drop_hotfix_in="worker"),
                 hotfix_home=home, env={"HOTFIX_STATUS_DIR": str(half_status)}),
@@ -120,7 +123,7 @@ def pd(request, tmp_path_factory):
         assert wanted <= decodes.keys(), wanted - decodes.keys()
         engines = Engines(
             prefill=world.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False}),
-            pin_status=pin_status, half_status=half_status,
+            pin_status=pin_status, half_status=half_status, root=root,
             **{name: start() for name, start in decodes.items() if name in wanted},
         )
         for engine in world.engines:
@@ -131,6 +134,11 @@ def pd(request, tmp_path_factory):
             for name in sorted(wanted & set(LEASE_DECODES)):
                 warm_up(engines.short_lease, getattr(engines, name))
         yield engines
+
+
+def pause_file(root: Path, decode: str) -> Path:
+    """While it exists, that decode's worker holds the next READ's post (a stalled worker)."""
+    return root / f"pause-post-{decode}"
 
 
 LEASE_DECODES = ("nixl", "hotfix", "pin")  # what the lease tests send late requests to
@@ -380,9 +388,12 @@ def test_stock_decode_reads_an_expired_lease_and_returns_wrong_tokens_without_an
 
 @uses("short_lease", "pin")
 def test_hotfix_declines_the_read_of_a_lapsed_lease_and_recomputes_it_locally(pd, lapsed):
+    """From a prefill that does not offer to confirm its leases (an earlier release of the
+    hotfix, or HOTFIX_LEASE_CONFIRM_TIMEOUT_S=0 there), the lease is judged by its end."""
     late, timely = lapsed["recompute"], prompt(81, 70)
+    assert late.params.get(CONFIRM_KEY) == 1  # this world's P offers; the test drops the offer
     before = settled_lease_counters(pd)
-    tokens, log, late_s = decode_late(pd.pin, late)
+    tokens, log, late_s = decode_late(pd.pin, late, without_confirmation(late.params))
     began = time.monotonic()
     timely_tokens = transfer(pd.short_lease, pd.pin, timely, MAX_TOKENS)
     timely_s = time.monotonic() - began
@@ -390,8 +401,9 @@ def test_hotfix_declines_the_read_of_a_lapsed_lease_and_recomputes_it_locally(pd
     assert "hotfix.lease.expired_refused" in log and "Recovered from KV load failure" in log
     assert timely_tokens == pd.short_lease.generate([Request(timely, MAX_TOKENS)])[0].token_ids
     grown = lease_delta(before, settled_lease_counters(
-        pd, lambda now: lease_delta(before, now).get("lease_expired_refused")))
+        pd, lambda now: lease_delta(before, now).get("read_confirmed")))
     assert (grown.get("lease_expired_refused"), grown.get("read_declined")) == (1, 1), grown
+    assert (grown.get("read_to_confirm"), grown.get("read_confirmed")) == (1, 1), grown  # the timely one
     print(f"lease-guard: late request (READ declined, prefilled locally) {late_s:.2f} s; "
           f"timely request (prefill on P + NIXL READ) {timely_s:.2f} s")
 
@@ -404,15 +416,18 @@ def test_a_timely_request_is_read_over_nixl_as_stock_does(pd):
     assert got == pd.short_lease.generate([Request(tokens, MAX_TOKENS)])[0].token_ids
     log = pd.pin.log()[start:]
     assert "hotfix.lease" not in log and "KV load failure" not in log  # no recompute
-    assert lease_delta(before, settled_lease_counters(pd)) == {}
+    # read as stock does, once P confirmed it still held the blocks
+    assert lease_delta(before, settled_lease_counters(pd, lambda now: lease_delta(before, now))) == {
+        "read_to_confirm": 1, "read_confirmed": 1}
 
 
 @uses("short_lease", "hotfix")
 def test_with_the_fail_policy_a_lapsed_lease_ends_the_request_and_the_next_is_served(pd, lapsed):
-    """The bug report's decode (MultiConnector, vLLM's default policy ``fail``)."""
+    """The bug report's decode (MultiConnector, vLLM's default policy ``fail``). P offers to
+    confirm: D READs and asks; P no longer holds the blocks, so the load fails."""
     tokens, log, _ = decode_late(pd.hotfix, lapsed["fail"])
     assert tokens == []
-    assert "hotfix.lease.expired_refused" in log and "due to KV load failure" in log
+    assert "hotfix.lease.read_unconfirmed" in log and "due to KV load failure" in log
     after = prompt(83, 70)
     assert transfer(pd.prefill, pd.hotfix, after, MAX_TOKENS) == reference(pd, after)
 
@@ -421,7 +436,7 @@ def test_with_the_fail_policy_a_lapsed_lease_ends_the_request_and_the_next_is_se
 def test_without_the_prefills_deadline_a_decode_reads_as_stock_with_one_warning(pd, lapsed):
     """A router that drops the key (or a prefill without the hotfix): nothing to judge by."""
     late = lapsed["no_deadline"]
-    params = {k: v for k, v in late.params.items() if k not in (DEADLINE_KEY, EXPIRY_KEY)}
+    params = {k: v for k, v in late.params.items() if k not in (DEADLINE_KEY, EXPIRY_KEY, CONFIRM_KEY)}
     before = settled_lease_counters(pd)
     tokens, _, _ = decode_late(pd.pin, late, params)
     assert tokens != late.expected  # stock behaviour: the lapsed blocks are read
@@ -429,3 +444,59 @@ def test_without_the_prefills_deadline_a_decode_reads_as_stock_with_one_warning(
         pd, lambda now: lease_delta(before, now).get("deadline_missing")))
     assert grown.get("deadline_missing") and "lease_expired_refused" not in grown, grown
     assert pd.pin.log().count("hotfix.lease.no_deadline") == 1  # one WARNING per process
+
+
+def without_confirmation(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k != CONFIRM_KEY}
+
+
+# ---------------------------------------------------------------------------------------
+# D6b (lease-guard's confirmation): the lease lapses during the READ
+# ---------------------------------------------------------------------------------------
+
+def stalled_read(pd: Engines, decode: Engine, name: str, seed: int) -> tuple[list[int], list[int], str]:
+    """R prefilled on the short-lease prefill and sent to ``decode`` in time; the decode's worker
+    stalls right where it posts R's READ (``pause_file``) until P's lease lapsed (no heartbeat
+    leaves a stalled worker) and P ran a request that needs every block, so it wrote into R's;
+    then the READ goes on. Returns the decode's tokens, P's own greedy decode of R (computed
+    after the READ: P's next prefill of R may land in the same blocks), the decode's log."""
+    tokens = prompt(seed, 70)
+    (first,) = pd.short_lease.generate([Request(tokens, 1, prefill_params())])
+    remote = first.kv_transfer_params["remote_request_id"]
+    pause, start = pause_file(pd.root, name), len(decode.log())
+    pause.touch()
+    try:
+        decode.submit([Request(tokens, MAX_TOKENS, dict(first.kv_transfer_params))])
+        deadline = time.monotonic() + 90
+        while "READ post paused" not in decode.log()[start:]:
+            assert time.monotonic() < deadline and decode.alive(), decode.log_tail()
+            time.sleep(0.2)
+        time.sleep(LEASE_S + 6)  # P's lease (8 s, a heartbeat extends it to 5 s from then) lapses
+        pd.short_lease.generate([Request(prompt(seed + 1, LEASE_FILLER_LEN), 1)])
+        assert f"Releasing expired KV blocks for request {remote}" in pd.short_lease.log()
+    finally:
+        pause.unlink(missing_ok=True)
+    (out,) = decode.completions()
+    (ref,) = pd.short_lease.generate([Request(tokens, MAX_TOKENS)])
+    return out.token_ids, ref.token_ids, decode.log()[start:]
+
+
+@uses("short_lease", "nixl")
+def test_stock_decode_whose_lease_lapsed_during_the_read_returns_wrong_tokens_without_an_error(pd):
+    tokens, expected, log = stalled_read(pd, pd.nixl, "nixl", 90)
+    assert tokens and tokens != expected
+    assert "ERROR" not in log and pd.nixl.alive()
+
+
+@uses("short_lease", "pin")
+def test_hotfix_fails_a_read_the_prefill_does_not_confirm_and_recomputes_it(pd):
+    before = settled_lease_counters(pd)
+    tokens, expected, log = stalled_read(pd, pd.pin, "pin", 92)
+    assert tokens == expected
+    assert "hotfix.lease.read_unconfirmed" in log and "Recovered from KV load failure" in log
+    grown = lease_delta(before, settled_lease_counters(
+        pd, lambda now: lease_delta(before, now).get("read_unconfirmed")))
+    assert (grown.get("read_to_confirm"), grown.get("read_unconfirmed")) == (1, 1), grown
+    after = prompt(94, 70)  # the engine serves the next request, read over NIXL
+    assert transfer(pd.short_lease, pd.pin, after, MAX_TOKENS) == \
+        pd.short_lease.generate([Request(after, MAX_TOKENS)])[0].token_ids

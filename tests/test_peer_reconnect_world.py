@@ -17,29 +17,12 @@ from hotfix.worlds.hotfix_on import hotfix_active
 FIX = "peer-reconnect"
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
-from hotfix.worlds.nixl_worker import (  # noqa: E402
-    PREFILL,
-    PREFILL_TP,
-    DecodeWorld,
-)
+from hotfix.worlds.nixl_worker import PREFILL, PREFILL_TP  # noqa: E402
 
 
 @pytest.fixture
-def world(monkeypatch):
-    from vllm.platforms import current_platform
-
-    if not current_platform.device_type:  # a --no-deps vLLM (0.33.0, 0.34.0): no platform
-        pytest.skip("NIXL's worker needs a vLLM platform with a device type")
-    worlds = []
-
-    def build():
-        w = DecodeWorld(monkeypatch)
-        worlds.append(w)
-        return w
-
-    yield build
-    for w in worlds:
-        w.close()
+def world(decode_worlds):
+    return decode_worlds
 
 
 def lose_the_prefill_mid_read(w) -> None:

@@ -29,9 +29,16 @@ The fix, in three places:
   ``kv_load_failure_policy`` decides — ``recompute`` prefills locally, ``fail`` ends the
   request with an error. Never garbage.
 
-Not covered yet (issue #32 item 3): a lease another decode's heartbeats renewed (a router's
-retry after a dead decode) is judged by its first end and may be refused although P still
-holds the blocks (an error or a recompute, not garbage). Only P can say it still holds them.
+- The confirmation (D6b, and a lease another decode renewed): a prefill that says so in the
+  params (:data:`CONFIRM_KEY`) answers, on its NIXL handshake listener, whether it still holds
+  a request's blocks (``hotfix.fixes._lease_confirm``). D then judges nothing by the deadline:
+  the READ leaves marked (:data:`CONFIRM_ATTR`), the worker keeps NIXL's completion
+  notification, asks P once the READ is done, and reports the load only on P's yes; on a no
+  (the lease lapsed before or during the READ) or no answer within
+  ``HOTFIX_LEASE_CONFIRM_TIMEOUT_S`` (default 5 s; 0 turns the confirmation off on that node)
+  the load fails through vLLM's failed-load path. A lease another decode's heartbeats renewed
+  (a router's retry after a dead decode) is then READ, not refused. Cost: one side-channel
+  round trip per READ before its report (and P frees the blocks that much later).
 A lease with only a wall-clock deadline (a prefill of an earlier release) is judged by the wall
 clocks, as before.
 
@@ -44,7 +51,9 @@ READs its EngineCore marked; the first connector output the EngineCore hears dec
 State: :class:`LeaseBook`, per D scheduler, the arrived requests whose lease is not judged
 yet and the refused ones whose READ is not sent yet (bounded; entries leave when judged
 trusted, when the READ is sent, or when the request finishes); :class:`PrefillClocks`, per D
-scheduler, each worker rank's offsets to the prefills it has a handshake with (bounded).
+scheduler, each worker rank's offsets to the prefills it has a handshake with (bounded);
+``HeldLeases`` per P EngineCore and ``PrefillConfirmations`` per D worker (bounded, see
+``_lease_confirm``).
 """
 from __future__ import annotations
 
@@ -56,6 +65,8 @@ from collections import OrderedDict
 from typing import Dict, Optional, Tuple
 
 from hotfix import config, halves, log, status
+from hotfix.fixes import _lease_confirm
+from hotfix.fixes._lease_confirm import HELD, Asker, HeldOrMetadata, PrefillConfirmations
 from hotfix.fixes._nixl_answer import answer_with
 from hotfix.halves import SchedulerHalf, WorkerHalf
 from hotfix.registry import LEAVE, FixSpec, Metric, Shape, Target
@@ -101,6 +112,13 @@ SPEC = FixSpec(
                {"7bacd61472082c9d": Shape("0.27.0-0.28.0", LEAVE), "28c86cec5600dc14": Shape("0.29.0", LEAVE),
                 "b683315074485b9b": Shape("0.30.0-0.33.0", LEAVE),
                 "c7379aa76d30ad2b": Shape("0.34.0", LEAVE)}),
+        # P: the side-channel listener answers whether a request's blocks are still held.
+        Target(f"{_NIXL}.base_scheduler", "NixlBaseConnectorScheduler._nixl_handshake_listener",
+               "answer_whether_blocks_are_held", "engine_core", {"66a797aebb6d25c8": Shape("0.27.0-0.34.0")}),
+        # D worker: a confirmed READ's completion, reported only once P said it held the blocks.
+        Target(f"{_NIXL}.base_worker", "NixlBaseConnectorWorker._pop_done_transfers",
+               "report_reads_once_the_prefill_confirmed", "worker",
+               {"b9cb3121e5195644": Shape("0.27.0-0.29.0"), "ef47a1051a14bd33": Shape("0.30.0-0.34.0")}),
         Target("vllm.distributed.kv_transfer.kv_connector.v1.base",
                "KVConnectorBase_V1.build_connector_worker_meta", "announce_the_worker_half", "worker",
                {"1396ed1bf292744b": Shape("0.27.0-0.34.0")}),
@@ -115,6 +133,14 @@ SPEC = FixSpec(
                "decides)", ("lease_expired_refused",),
                alert="rate > 0: decode admits requests later than the prefill's "
                "VLLM_NIXL_ABORT_REQUEST_TIMEOUT; stock vLLM would read reused blocks"),
+        Metric("vllm:hotfix_lease_reads_unconfirmed", "NIXL READs the prefill did not confirm "
+               "(it had released the blocks before or during the READ: released; or no answer "
+               "in HOTFIX_LEASE_CONFIRM_TIMEOUT_S: unanswered), failed before their report "
+               "(kv_load_failure_policy decides)", ("read_unconfirmed", "confirm_unanswered"),
+               by_kind=True, label="reason", label_values=("released", "unanswered"),
+               alert="rate > 0: a lease lapsed during a READ (the decode stalled past the "
+               "heartbeat extension) or the prefill's side channel does not answer; stock vLLM "
+               "would decode whatever the READ copied"),
         Metric("vllm:hotfix_lease_deadline_missing", "Remote prefills that arrived without the "
                "prefill's lease deadline (read as stock)", ("deadline_missing",),
                alert="rate > 0 with lease-guard on: a prefill runs without the hotfix, or the "
@@ -127,8 +153,18 @@ DEADLINE_KEY = "hotfix_lease_deadline"  # kv_transfer_params: P's lease end, sec
 EXPIRY_KEY = "hotfix_lease_expiry"  # kv_transfer_params: P's lease end on P's EngineCore perf_counter
 REFUSED_ATTR = "hotfix_lease_refused"  # on a ReqMeta D ships: seconds past the deadline (float)
 LEASE_ATTR = "hotfix_lease"  # on a ReqMeta D ships unjudged: (wall deadline, end on P's clock)
+CONFIRM_KEY = "hotfix_lease_confirm"  # kv_transfer_params: P's listener answers (wire version)
+CONFIRM_ATTR = "hotfix_lease_confirm"  # on a ReqMeta D ships: confirm this READ with P (True)
 MARGIN_VAR = "HOTFIX_LEASE_GUARD_MARGIN_S"
 DEFAULT_MARGIN_S = 5.0
+CONFIRM_TIMEOUT_VAR = "HOTFIX_LEASE_CONFIRM_TIMEOUT_S"
+DEFAULT_CONFIRM_TIMEOUT_S = 5.0
+CONFIRM_WIRE = 1
+
+
+def confirm_timeout_s() -> float:
+    """How long D's worker waits for P's answer; 0: this node neither offers nor asks."""
+    return config.seconds(CONFIRM_TIMEOUT_VAR, DEFAULT_CONFIRM_TIMEOUT_S)
 
 
 def seconds_late(deadline: Optional[float], expiry: Optional[float], now: float,
@@ -158,14 +194,21 @@ class LeaseBook:
         # arrived, not judged: (wall deadline, expiry on P's clock)
         self._leases: "OrderedDict[str, Tuple[Optional[float], Optional[float]]]" = OrderedDict()
         self._refused: "OrderedDict[str, float]" = OrderedDict()  # seconds past the deadline
+        self._confirmable: "OrderedDict[str, None]" = OrderedDict()  # P answers whether it holds R
 
     def __len__(self) -> int:
         return len(self._leases) + len(self._refused)
 
-    def arrive(self, req_id: str, deadline: Optional[float], expiry: Optional[float] = None) -> int:
-        """Note R's lease; returns how many entries the cap pushed out."""
+    def arrive(self, req_id: str, deadline: Optional[float], expiry: Optional[float] = None,
+               confirmable: bool = False) -> int:
+        """Note R's lease (``confirmable``: P offered to confirm R's READ); returns how many
+        entries the cap pushed out."""
         self.forget(req_id)
         self._leases[req_id] = (deadline, expiry)
+        if confirmable:
+            self._confirmable[req_id] = None
+            while len(self._confirmable) > self.cap:
+                self._confirmable.popitem(last=False)
         evicted = 0
         while len(self) > self.cap:
             (self._leases if self._leases else self._refused).popitem(last=False)
@@ -193,6 +236,16 @@ class LeaseBook:
         self.judge(req_id, now, prefill_now)
         return self._refused.pop(req_id, None)
 
+    def take_confirmable(self, req_id: str) -> Optional[Tuple[Optional[float], Optional[float]]]:
+        """R's READ leaves and P offered to confirm it: R's lease (for a worker that cannot keep
+        the READ's notification after all), once; None if P did not offer."""
+        if req_id not in self._confirmable:
+            return None
+        del self._confirmable[req_id]
+        lease = self._leases.pop(req_id, None)
+        self._refused.pop(req_id, None)
+        return lease or (None, None)
+
     def hand_over(self, req_id: str) -> Optional[Tuple[Optional[float], Optional[float]]]:
         """R's READ leaves with its lease not decidable here: ``(deadline, expiry)`` for the
         worker to judge, once."""
@@ -205,6 +258,7 @@ class LeaseBook:
     def forget(self, req_id: str) -> None:
         self._leases.pop(req_id, None)
         self._refused.pop(req_id, None)
+        self._confirmable.pop(req_id, None)
 
 
 class PrefillClocks:
@@ -277,6 +331,10 @@ def export_the_lease_deadline(wrapped, instance, args, kwargs):
             params[EXPIRY_KEY] = round(expires, 3)  # the clock P's handshake listener reports
             params[DEADLINE_KEY] = round(time.time() + (expires - time.perf_counter()), 3)
             _count("deadline_exported")
+            if HELD.listening and confirm_timeout_s() > 0:
+                if HELD.hold(request.request_id):
+                    _count("held_evicted")
+                params[CONFIRM_KEY] = CONFIRM_WIRE
     except Exception as exc:
         contain(FIX, "NixlPullConnectorScheduler.request_finished", exc,
                 fallback="no deadline exported for this request (the decode node reads as stock)")
@@ -315,7 +373,8 @@ def _note(nixl_scheduler, req_id: str, params: dict) -> None:
                     reason=f"{DEADLINE_KEY} or {EXPIRY_KEY} is not a positive number of seconds",
                     action="stock READ for this request")
         return
-    if _book(nixl_scheduler).arrive(req_id, deadline, expiry):
+    confirmable = params.get(CONFIRM_KEY) == CONFIRM_WIRE and confirm_timeout_s() > 0
+    if _book(nixl_scheduler).arrive(req_id, deadline, expiry, confirmable):
         _count("book_evicted")
 
 
@@ -336,6 +395,10 @@ def refuse_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
                 _judge_at_heartbeats_that_leave(instance, book, clocks, now, perf)
             for req_id, req_meta in metadata.reqs_to_recv.items():
                 engine = req_meta.remote.engine_id if req_meta.remote else None
+                confirm = book.take_confirmable(req_id)
+                if confirm is not None and half.may_act and _has_blocks(req_meta.local_block_ids):
+                    setattr(req_meta, CONFIRM_ATTR, confirm)  # P decides, once the READ is done
+                    continue
                 late = book.take_refusal(req_id, now, clocks.now_on(engine, perf))
                 if not (half.may_act and _has_blocks(req_meta.local_block_ids)):
                     book.hand_over(req_id)
@@ -391,6 +454,9 @@ def hear_the_worker_halves(wrapped, instance, args, kwargs):
     every output may carry the ranks' offsets to prefill clocks."""
     try:
         scheduler = instance.connector_scheduler
+        sent = getattr(argument(args, kwargs, 0, "connector_output"), "finished_sending", None)
+        if sent and len(HELD):
+            HELD.release(sent)  # P frees these blocks in this step: no longer held for a READ
         if scheduler is not None and _reads_by_pull(scheduler):
             meta = getattr(argument(args, kwargs, 0, "connector_output"), "kv_connector_worker_meta", None)
             _scheduler_half(scheduler).heard(meta)
@@ -399,6 +465,23 @@ def hear_the_worker_halves(wrapped, instance, args, kwargs):
     except Exception as exc:
         contain(FIX, "NixlBaseConnector.update_connector_output", exc,
                 fallback="lease-guard degraded in this engine")
+    return wrapped(*args, **kwargs)
+
+
+def answer_whether_blocks_are_held(wrapped, instance, args, kwargs):
+    """P: vLLM's handshake listener serves its metadata map; ours also answers whether this
+    EngineCore still holds a request's blocks (the thread runs in the process that frees them)."""
+    try:
+        if confirm_timeout_s() > 0:
+            metadata = argument(args, kwargs, 0, "encoded_data")
+            if "encoded_data" in kwargs:
+                kwargs = dict(kwargs, encoded_data=HeldOrMetadata(metadata))
+            else:
+                args = (HeldOrMetadata(metadata),) + tuple(args[1:])
+            HELD.listening = True
+    except Exception as exc:
+        contain(FIX, "NixlBaseConnectorScheduler._nixl_handshake_listener", exc,
+                fallback="this prefill does not offer to confirm its leases")
     return wrapped(*args, **kwargs)
 
 
@@ -413,9 +496,12 @@ def decline_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
     try:
         req_id = argument(args, kwargs, 0, "req_id")
         meta = argument(args, kwargs, 1, "meta")
+        lease = getattr(meta, CONFIRM_ATTR, None)
+        if lease is not None and _can_keep_the_notification(instance, meta):
+            return _read_keeping_the_notification(instance, wrapped, args, kwargs, req_id, meta)
         late = getattr(meta, REFUSED_ATTR, None)
         if late is None:
-            late = _refused_where_posted(instance, req_id, meta)
+            late = _refused_where_posted(instance, req_id, meta, lease)
         if late is not None:
             _fail_before_reading(instance, req_id)
     except Exception as exc:
@@ -431,10 +517,11 @@ def decline_reads_of_lapsed_leases(wrapped, instance, args, kwargs):
     return None
 
 
-def _refused_where_posted(worker, req_id: str, meta) -> Optional[float]:
-    """The lease the EngineCore could not judge, judged here, after the handshake: on P's
-    clock with the offset vLLM measured in it (the wall-clock deadline only without one)."""
-    lease = getattr(meta, LEASE_ATTR, None)
+def _refused_where_posted(worker, req_id: str, meta, lease=None) -> Optional[float]:
+    """The lease the EngineCore could not judge (or left to P's confirmation, which cannot be
+    had here after all), judged here, after the handshake: on P's clock with the offset vLLM
+    measured in it (the wall-clock deadline only without one)."""
+    lease = lease or getattr(meta, LEASE_ATTR, None)
     if not lease:
         return None
     deadline, expiry = lease
@@ -464,6 +551,157 @@ def _fail_before_reading(worker, req_id: str) -> None:
         call_kwargs["record_failed_transfer"] = False
     worker.xfer_stats.record_kv_expired_req()
     worker._handle_failed_transfer(*call_args, **call_kwargs)
+
+
+def _confirmations(worker) -> PrefillConfirmations:
+    return state_of(worker, "_hotfix_lease_confirms", lambda: PrefillConfirmations(Asker(
+        _asking_with(_get_meta_msg(), confirm_timeout_s()))))
+
+
+def _asking_with(get_meta_msg, timeout_s: float):
+    return lambda address, remote_ids: _lease_confirm.ask_over_zmq(address, get_meta_msg, remote_ids, timeout_s)
+
+
+def _get_meta_msg():
+    return sys.modules[f"{_NIXL}.metadata"].GET_META_MSG
+
+
+def _can_keep_the_notification(worker, meta) -> bool:
+    remote = meta.remote
+    return (remote is not None and confirm_timeout_s() > 0 and bool(remote.host) and bool(remote.port)
+            and remote.engine_id in getattr(worker, "_remote_agents", {})
+            and _confirmations(worker).has_room())
+
+
+class _NotificationKeeper:
+    """The worker's NIXL agent while it posts one READ to be confirmed: the READ is posted
+    without its completion notification, which is kept (with the prefill agent it goes to)."""
+
+    def __init__(self, agent, worker, engine_id) -> None:
+        self._agent, self._worker, self._engine_id = agent, worker, engine_id
+        self.kept: list = []
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def make_prepped_xfer(self, operation, local_xfer_side, local_indices, remote_xfer_side,
+                          remote_indices, notif_msg=b"", *rest, **kwargs):
+        target = _prefill_agent(self._worker, self._engine_id, remote_xfer_side) if (
+            operation == "READ" and notif_msg) else None
+        if target is not None:
+            self.kept.append((target, notif_msg))
+            notif_msg = b""
+        return self._agent.make_prepped_xfer(operation, local_xfer_side, local_indices, remote_xfer_side,
+                                             remote_indices, notif_msg, *rest, **kwargs)
+
+
+def _prefill_agent(worker, engine_id, remote_handle) -> Optional[str]:
+    """The prefill agent a READ through ``remote_handle`` notifies (vLLM's own pairing)."""
+    agents = worker._remote_agents.get(engine_id) or {}
+    for rank, handle in (worker.dst_xfer_side_handles.get(engine_id) or {}).items():
+        if handle == remote_handle:
+            return agents.get((0, rank)) or agents.get(rank)
+    return None
+
+
+def _read_keeping_the_notification(worker, wrapped, args, kwargs, req_id: str, meta):
+    """NIXL's own READ, posted without its completion notification; the READ is then kept
+    until P confirms it (:func:`report_reads_once_the_prefill_confirmed`)."""
+    agent = worker.nixl_wrapper
+    keeper = _NotificationKeeper(agent, worker, meta.remote.engine_id)
+    worker.nixl_wrapper = keeper
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        worker.nixl_wrapper = agent
+    try:
+        if keeper.kept and req_id in worker._recving_transfers:
+            _confirmations(worker).expect(req_id, (str(meta.remote.host), int(meta.remote.port)),
+                                          meta.remote.request_id, keeper.kept)
+            _count("read_to_confirm")
+        elif keeper.kept:  # not posted after all: nothing was read, nothing to notify
+            pass
+        else:
+            _count("confirm_skipped")
+            log.limited((FIX, "confirm_skipped"), "warning", "hotfix.lease.confirm_skipped", fix=FIX,
+                        req_id=req_id, reason="the READ's notification could not be paired with a "
+                        "prefill agent", action="this READ is reported as NIXL reports it (stock)")
+    except Exception as exc:
+        _send(worker, keeper.kept)
+        contain(FIX, _READ_TARGET, exc, fallback="this READ is reported as NIXL reports it (stock)")
+    return result
+
+
+def report_reads_once_the_prefill_confirmed(wrapped, instance, args, kwargs):
+    """A READ kept for confirmation that NIXL reports done is held back and P is asked; on P's
+    yes it is reported done and its notification sent; on a no or no answer it fails through
+    vLLM's failed-load path. A READ that failed on its own is vLLM's to report."""
+    result = wrapped(*args, **kwargs)
+    confirmations = instance.__dict__.get("_hotfix_lease_confirms")
+    if not confirmations:
+        return result
+    done = result[0] if isinstance(result, tuple) else result
+    try:
+        if argument(args, kwargs, 0, "transfers") is not instance._recving_transfers:
+            return result
+        failed = result[1] if isinstance(result, tuple) else _queued(instance._failed_recv_reqs)
+        finished = [r for r in done if r in confirmations]
+        for req_id in finished:
+            if req_id in failed:
+                confirmations.forget(req_id)
+            else:
+                done.discard(req_id)
+        confirmations.ask(finished)
+        for req_id, held, notifs in confirmations.answered():
+            if held:
+                _send(instance, notifs)
+                done.add(req_id)
+                _count("read_confirmed")
+            else:
+                if held is None:  # P may still hold the blocks: let it free them
+                    _send(instance, notifs)
+                _unconfirmed(instance, req_id, held)
+    except Exception as exc:
+        contain(FIX, "NixlBaseConnectorWorker._pop_done_transfers", exc,
+                fallback="the READs kept for confirmation are reported as NIXL reported them")
+        _give_back_unconfirmed(instance, done)
+    return result
+
+
+def _unconfirmed(worker, req_id: str, held: Optional[bool]) -> None:
+    kind = "confirm_unanswered" if held is None else "read_unconfirmed"
+    _count(kind)
+    log.limited((FIX, kind), "warning", "hotfix.lease.read_unconfirmed", fix=FIX, req_id=req_id,
+                reason="the prefill had released the blocks before or during the READ" if held is False
+                else f"the prefill did not answer within {confirm_timeout_s()} s",
+                action="the load fails: kv_load_failure_policy decides")
+    _fail_before_reading(worker, req_id)
+
+
+def _give_back_unconfirmed(worker, done) -> None:
+    try:
+        confirmations = worker.__dict__.get("_hotfix_lease_confirms")
+        for req_id in [r for r in list(confirmations._reads) if r not in worker._recving_transfers]:
+            _send(worker, confirmations.forget(req_id))
+            done.add(req_id)
+    except Exception as exc:
+        log.limited((FIX, "give_back"), "error", "hotfix.runtime.error", fix=FIX, target="give_back",
+                    reason=f"{type(exc).__name__}: {exc}", fallback="none")
+
+
+def _send(worker, notifs) -> None:
+    for agent_name, notif_msg in notifs:
+        try:
+            worker.nixl_wrapper.send_notif(agent_name, notif_msg=notif_msg)
+        except Exception as exc:
+            log.limited((FIX, "notif_failed"), "warning", "hotfix.lease.notification_failed", fix=FIX,
+                        agent=agent_name, reason=f"{type(exc).__name__}: {exc}",
+                        action="the prefill frees the blocks when its lease ends")
+
+
+def _queued(failed_queue) -> set:
+    with failed_queue.mutex:
+        return set(failed_queue.queue)
 
 
 def announce_the_worker_half(wrapped, instance, args, kwargs):

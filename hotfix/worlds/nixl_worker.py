@@ -49,6 +49,9 @@ class FakeNixlAgent:
     - ``transfer(handle)`` posts it; ``check_xfer_state(handle)`` reports ``"PROC"`` while the
       transfer runs, then ``"DONE"`` or ``"ERR"`` — scripted per handle with :meth:`finish`;
       a handle the caller released must not be checked again (the real agent would fail);
+    - a READ made with ``notif_msg`` notifies the remote agent once it is done (the real one
+      sends it when the transfer completes; recorded in :attr:`notified` at :meth:`finish`),
+      and ``send_notif`` sends one at once (recorded the same way);
     - ``get_xfer_telemetry`` returns the transfer's counters; ``release_xfer_handle`` frees
       the handle; ``get_new_notifs`` returns the notifications received (none here);
     - a peer UCX lost (:meth:`disconnect`: a partition past UCX's peer timeout): its handles in
@@ -69,6 +72,8 @@ class FakeNixlAgent:
         self.disconnected: Set[str] = set()
         self.removed: List[str] = []
         self.misuse: List[str] = []  # calls the real agent would reject
+        self.notif_of: Dict[int, bytes] = {}  # transfer handle -> its completion notification
+        self.notified: List[tuple] = []  # (remote agent, message) in the order they were sent
 
     # test script ----------------------------------------------------------------
     def fail_setup_to(self, agent_name: str) -> None:
@@ -80,6 +85,8 @@ class FakeNixlAgent:
     def finish(self, handle: int, state: str = "DONE") -> None:
         assert self.states.get(handle) == "PROC", (handle, self.states.get(handle))
         self.states[handle] = state
+        if state == "DONE" and self.notif_of.get(handle):
+            self.notified.append((self.peer_of[handle], self.notif_of[handle]))
 
     def handles_to(self, agent_name: str) -> List[int]:
         return [h for h, peer in self.peer_of.items() if peer == agent_name]
@@ -126,6 +133,7 @@ class FakeNixlAgent:
         handle = next(self._ids)
         self.states[handle] = "PROC"
         self.peer_of[handle] = peer
+        self.notif_of[handle] = notif_msg or b""
         return handle
 
     def transfer(self, handle: int, *args, **kwargs) -> str:
@@ -149,8 +157,8 @@ class FakeNixlAgent:
             self.misuse.append(f"release_xfer_handle({handle}) twice")
         self.released.append(handle)
 
-    def send_notif(self, *args, **kwargs) -> None:
-        pass
+    def send_notif(self, remote_agent_name, notif_msg=b"", *args, **kwargs) -> None:
+        self.notified.append((remote_agent_name, notif_msg))
 
     def get_new_notifs(self) -> dict:
         return {}

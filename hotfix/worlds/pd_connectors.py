@@ -7,7 +7,8 @@ step, forward or not).
 
 * ``NixlConnector`` — vLLM's own class, re-exported: the prefill engine and the NIXL-only
   decode load it through this module, so that :func:`poll_nixl_progress_instead_of_spinning`
-  runs in their processes too.
+  runs in their processes too. Every engine loading this module gets that agent, which also
+  holds a READ's post while a test's pause file exists (:func:`hold_the_post_while_paused`).
 * ``DelayedReadNixlConnector`` — the real ``NixlConnector`` (its scheduler, metadata, READ,
   completion report and ``request_finished`` are vLLM's), except that the worker hands a
   pull to NIXL ``read_delay_steps`` steps after the metadata asked for it, and not before
@@ -49,7 +50,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pd_world import CACHE_HIT_PARAM, LMCACHE_SERVER_PGID_VAR, LMCACHE_STOP_ARMED_VAR
+from pd_world import (CACHE_HIT_PARAM, LMCACHE_SERVER_PGID_VAR, LMCACHE_STOP_ARMED_VAR, POST_PAUSE_MAX_S,
+                      POST_PAUSE_VAR)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -92,7 +94,27 @@ def poll_nixl_progress_instead_of_spinning() -> None:
             config.pthrDelay = max(config.pthrDelay, NIXL_PROGRESS_POLL_US)
             super().__init__(name, config)
 
+        def postXferReq(self, *args, **kwargs):  # noqa: N802  (the bindings' name)
+            hold_the_post_while_paused()
+            return super().postXferReq(*args, **kwargs)
+
     bindings.nixlAgent = PolledProgressAgent
+
+
+def hold_the_post_while_paused() -> None:
+    """A test's stall of this engine's worker right where a READ is posted: while the file
+    ``$PD_WORLD_POST_PAUSE_FILE`` exists (at most :data:`POST_PAUSE_MAX_S`), the worker waits
+    before NIXL posts the READ, as a worker SIGSTOPped mid-READ would: no step, no heartbeat,
+    no byte read until it goes on. The READ vLLM already set up (and lease-guard judged) then
+    copies whatever the prefill's blocks hold by then. NIXL's post itself is the real one."""
+    pause = os.environ.get(POST_PAUSE_VAR)
+    if not pause or not os.path.exists(pause):
+        return
+    logger.info("pd_world: READ post paused while %s exists", pause)
+    deadline = time.monotonic() + POST_PAUSE_MAX_S
+    while os.path.exists(pause) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    logger.info("pd_world: READ post resumed")
 
 
 poll_nixl_progress_instead_of_spinning()

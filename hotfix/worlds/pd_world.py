@@ -49,6 +49,9 @@ CONNECTORS_MODULE = "pd_connectors"
 # presence arms the stop (removed when it fires)
 LMCACHE_SERVER_PGID_VAR = "PD_WORLD_LMCACHE_SERVER_PGID"
 LMCACHE_STOP_ARMED_VAR = "PD_WORLD_LMCACHE_STOP_ARMED"
+# an engine's NIXL agent holds each READ it posts while this file exists (pd_connectors)
+POST_PAUSE_VAR = "PD_WORLD_POST_PAUSE_FILE"
+POST_PAUSE_MAX_S = 180.0
 
 ENGINE_ARGS = dict(
     skip_tokenizer_init=True,

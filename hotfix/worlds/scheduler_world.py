@@ -790,6 +790,15 @@ class World:
             block_hasher=self._block_hasher,
         )
 
+    def finished_prefill(self, req_id: str, computed_tokens: int = 64) -> Request:
+        """A prefill node's request as its NIXL scheduler's ``request_finished`` gets it: done
+        after its prefill, its KV to be READ by a decode."""
+        request = self.make_request(Arrive(0, req_id))
+        request.kv_transfer_params = {"do_remote_decode": True}
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        request.num_computed_tokens = computed_tokens
+        return request
+
     def _remote_prefill_params(self, event: Arrive) -> dict:
         """What the P/D proxy hands a decode node after prefill on P."""
         num_blocks = -(-event.prompt_len // self.block_size)

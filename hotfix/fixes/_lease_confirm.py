@@ -1,0 +1,223 @@
+"""lease-guard's confirmation (D6b): a READ counts as loaded only once P said it still held the blocks.
+
+A lease can lapse *during* a READ (D's worker stalls past the heartbeat extension, heartbeats
+stop early): P frees the blocks, gives them to another request, and D's READ copies that
+request's KV. Only P knows whether it still held a request's blocks, and the answer is right
+only if asked after the READ ended and before P heard the READ's completion notification (that
+notification is what frees the blocks in the healthy case). So:
+
+- D's worker posts such a READ without NIXL's completion notification and keeps it
+  (:class:`PrefillConfirmations`); once the READ is done it asks P, on the NIXL side channel
+  vLLM already has (P's handshake listener), whether P still holds the request's blocks;
+  yes: the READ is reported loaded and the kept notification sent (P frees the blocks as on
+  stock, one round trip later); no, or no answer within the bound: the load fails through
+  vLLM's failed-load path.
+- P's EngineCore keeps the ids whose blocks it holds for a decode (:class:`HeldLeases`: from
+  ``request_finished`` until the step that frees them) and its handshake listener answers the
+  question (:class:`HeldOrMetadata`), in the process that frees the blocks.
+
+The question rides on the listener's own message, ``(GET_META_MSG, pp_rank, tp_rank)``, with
+:data:`QUESTION` as pp_rank and the ids as tp_rank: vLLM's listener looks ``(pp_rank, tp_rank)``
+up in its metadata map and sends back what it finds, so P's map (:class:`HeldOrMetadata`)
+answers there. A listener without the hotfix would fail on that lookup, so D asks only a
+prefill that said, in the request's ``kv_transfer_params``, that its listener answers.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+from hotfix import forksafe
+
+QUESTION = "hotfix_lease_held_w1"  # pp_rank of the question; also heads the answer
+Address = Tuple[str, int]  # P's side channel (host, port), as the request's params name it
+
+
+class HeldLeases:
+    """P's EngineCore: requests whose blocks it holds for a decode's READ.
+
+    :meth:`hold` when ``request_finished`` keeps the blocks, :meth:`release` at the step that
+    frees them (the workers reported the request finished sending: read, or lease lapsed). At
+    most ``cap`` ids; past it the oldest is dropped and then answered "not held" (a recompute
+    on D, never garbage). Read by the listener thread, written by the scheduler's."""
+
+    def __init__(self, cap: int = 65536) -> None:
+        self.cap = cap
+        self.listening = False  # this process's handshake listener answers questions
+        self.lock = threading.Lock()
+        forksafe.renew_in_child(self, "lock")
+        self._held: "OrderedDict[str, None]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, req_id: str) -> int:
+        """Returns how many ids the cap pushed out."""
+        with self.lock:
+            self._held.pop(req_id, None)
+            self._held[req_id] = None
+            evicted = 0
+            while len(self._held) > self.cap:
+                self._held.popitem(last=False)
+                evicted += 1
+            return evicted
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        with self.lock:
+            for req_id in req_ids:
+                self._held.pop(req_id, None)
+
+    def held(self, req_ids: Iterable[str]) -> List[str]:
+        with self.lock:
+            return [r for r in req_ids if r in self._held]
+
+
+HELD = HeldLeases()
+
+
+class HeldOrMetadata:
+    """The metadata map vLLM's handshake listener serves, answering :data:`QUESTION` too."""
+
+    def __init__(self, metadata, held: HeldLeases = HELD) -> None:
+        self._metadata = metadata
+        self._held = held
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == QUESTION:
+            import msgspec
+
+            asked = [str(r) for r in key[1]] if isinstance(key[1], (list, tuple)) else []
+            return msgspec.msgpack.encode([QUESTION, self._held.held(asked)])
+        return self._metadata[key]
+
+
+def question(get_meta_msg, req_ids: List[str]) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode((get_meta_msg, QUESTION, list(req_ids)))
+
+
+def held_in_answer(reply: bytes) -> Optional[List[str]]:
+    """The ids P says it holds; None when the reply is not an answer (a stock listener's)."""
+    import msgspec
+
+    try:
+        head, held = msgspec.msgpack.decode(reply)
+    except Exception:
+        return None
+    return [str(r) for r in held] if head == QUESTION and isinstance(held, list) else None
+
+
+def ask_over_zmq(address: Address, get_meta_msg, req_ids: List[str], timeout_s: float) -> Optional[List[str]]:
+    """One question to P's listener; None on no answer within ``timeout_s``."""
+    import zmq
+
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.REQ)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, max(int(timeout_s * 1000), 1))
+        sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
+        host, port = address
+        sock.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        sock.send(question(get_meta_msg, req_ids))
+        parts = sock.recv_multipart()
+    except zmq.ZMQError:
+        return None
+    finally:
+        sock.close(0)
+    return held_in_answer(parts[0]) if parts else None
+
+
+class Asker:
+    """One daemon thread that asks prefills and hands back their answers (D's worker)."""
+
+    def __init__(self, ask: Callable[[Address, List[str]], Optional[List[str]]]) -> None:
+        self._ask = ask
+        self._jobs: "queue.Queue[Tuple[Address, List[str]]]" = queue.Queue()
+        self._answers: "queue.Queue[Tuple[Address, List[str], Optional[List[str]]]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, address: Address, remote_ids: List[str]) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="hotfix-lease-confirm", daemon=True)
+            self._thread.start()
+        self._jobs.put((address, remote_ids))
+
+    def answers(self) -> List[Tuple[Address, List[str], Optional[List[str]]]]:
+        out = []
+        while True:
+            try:
+                out.append(self._answers.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run(self) -> None:
+        while True:
+            address, remote_ids = self._jobs.get()
+            try:
+                held = self._ask(address, remote_ids)
+            except Exception:
+                held = None
+            self._answers.put((address, remote_ids, held))
+
+
+class _Read:
+    __slots__ = ("address", "remote_id", "notifs", "asked")
+
+    def __init__(self, address: Address, remote_id: str, notifs: list) -> None:
+        self.address, self.remote_id, self.notifs, self.asked = address, remote_id, notifs, False
+
+
+class PrefillConfirmations:
+    """D's worker: READs whose completion notification it keeps until P confirmed.
+
+    Lifecycle: :meth:`expect` when the READ is posted (its notifications kept) → :meth:`ask`
+    once NIXL reports it done (one question per prefill and poll) → :meth:`answered` yields
+    it with P's verdict: True (held), False (released), None (no answer) — or :meth:`forget`
+    when the READ failed on its own (vLLM reports it). At most ``cap`` READs: past it a READ
+    keeps its notification (stock, unconfirmed)."""
+
+    def __init__(self, asker: Asker, cap: int = 4096) -> None:
+        self.asker = asker
+        self.cap = cap
+        self._reads: Dict[str, _Read] = {}
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._reads
+
+    def has_room(self) -> bool:
+        return len(self._reads) < self.cap
+
+    def expect(self, req_id: str, address: Address, remote_id: str, notifs: list) -> None:
+        self._reads[req_id] = _Read(address, remote_id, list(notifs))
+
+    def forget(self, req_id: str) -> list:
+        """Drop R; its kept notifications (the caller decides whether to send them)."""
+        read = self._reads.pop(req_id, None)
+        return read.notifs if read else []
+
+    def ask(self, req_ids: Iterable[str]) -> None:
+        by_prefill: Dict[Address, List[str]] = {}
+        for req_id in req_ids:
+            read = self._reads.get(req_id)
+            if read is not None and not read.asked:
+                read.asked = True
+                by_prefill.setdefault(read.address, []).append(read.remote_id)
+        for address, remote_ids in by_prefill.items():
+            self.asker.submit(address, remote_ids)
+
+    def answered(self) -> List[Tuple[str, Optional[bool], list]]:
+        out = []
+        for address, remote_ids, held in self.asker.answers():
+            asked = set(remote_ids)
+            for req_id, read in list(self._reads.items()):
+                if read.asked and read.address == address and read.remote_id in asked:
+                    del self._reads[req_id]
+                    out.append((req_id, None if held is None else read.remote_id in held, read.notifs))
+        return out

@@ -1,0 +1,101 @@
+"""lease-guard's confirmation state alone (no vLLM): P's held leases, the listener's map, D's
+kept READs; each bounded and back to empty."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from hotfix.fixes._lease_confirm import (
+    QUESTION,
+    Asker,
+    HeldLeases,
+    HeldOrMetadata,
+    PrefillConfirmations,
+    held_in_answer,
+    question,
+)
+
+P = ("10.0.0.1", 5600)
+Q = ("10.0.0.2", 5600)
+
+
+def test_p_holds_a_request_from_its_finish_until_its_blocks_are_freed_and_never_past_the_cap():
+    held = HeldLeases(cap=3)
+    for req in ("a", "b", "c", "d"):
+        held.hold(req)
+    assert held.held(["a", "b", "c", "d"]) == ["b", "c", "d"]  # the oldest dropped: answered "no"
+    held.release(["b", "c", "d", "never-held"])
+    assert len(held) == 0
+
+
+def test_the_listeners_map_answers_the_question_and_serves_metadata_as_before():
+    held = HeldLeases()
+    held.hold("r1")
+    served = HeldOrMetadata({(0, 0): b"rank-0-metadata"}, held)
+    assert served[(0, 0)] == b"rank-0-metadata"
+    get_meta_msg, pp, tp = msgspec.msgpack.decode(question(b"get_meta_msg", ["r1", "r2"]))
+    assert held_in_answer(served[(pp, tp)]) == ["r1"]
+    try:
+        served[(0, 1)]
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("an unknown rank must fail as vLLM's own map does")
+    assert held_in_answer(b"rank-0-metadata") is None  # a stock listener's reply is no answer
+
+
+class SyncAsker(Asker):
+    """The asker without its thread: answers as soon as asked (from ``holds``)."""
+
+    def __init__(self, holds):
+        super().__init__(lambda address, ids: None)
+        self.holds, self.asked = holds, []
+
+    def submit(self, address, remote_ids):
+        self.asked.append((address, sorted(remote_ids)))
+        self._answers.put((address, remote_ids, self.holds.get(address)))
+
+
+def test_d_keeps_each_read_until_its_prefill_answered_one_question_per_prefill_and_poll():
+    asker = SyncAsker({P: ["p-r1"], Q: None})  # P holds r1 only; Q does not answer
+    book = PrefillConfirmations(asker, cap=8)
+    book.expect("r1", P, "p-r1", [("agent-p", b"p-r1:1")])
+    book.expect("r2", P, "p-r2", [("agent-p", b"p-r2:1")])
+    book.expect("r3", Q, "q-r3", [("agent-q", b"q-r3:1")])
+    assert book.answered() == []  # nothing asked before the READs are done
+    book.ask(["r1", "r2", "r3", "not-kept"])
+    book.ask(["r1"])  # asked once
+    assert sorted(asker.asked) == [(P, ["p-r1", "p-r2"]), (Q, ["q-r3"])]
+    verdicts = {req: (held, notifs) for req, held, notifs in book.answered()}
+    assert verdicts == {"r1": (True, [("agent-p", b"p-r1:1")]), "r2": (False, [("agent-p", b"p-r2:1")]),
+                        "r3": (None, [("agent-q", b"q-r3:1")])}
+    assert len(book) == 0
+
+
+def test_d_keeps_at_most_cap_reads_and_a_read_that_failed_on_its_own_is_forgotten():
+    book = PrefillConfirmations(SyncAsker({}), cap=2)
+    book.expect("r1", P, "p-r1", [("agent-p", b"1")])
+    book.expect("r2", P, "p-r2", [])
+    assert not book.has_room()  # the next READ keeps its notification (stock, unconfirmed)
+    assert book.forget("r1") == [("agent-p", b"1")] and book.forget("r1") == []
+    assert book.has_room() and "r2" in book and "r1" not in book
+    book.forget("r2")
+    assert len(book) == 0
+
+
+def test_the_asker_thread_answers_none_when_asking_raises():
+    def ask(address, ids):
+        if address == Q:
+            raise OSError("unreachable")
+        return list(ids)
+
+    asker = Asker(ask)
+    asker.submit(P, ["a"])
+    asker.submit(Q, ["b"])
+    got, deadline = [], time.monotonic() + 5
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += asker.answers()
+        time.sleep(0.01)
+    assert sorted(got, key=lambda a: a[0]) == [(P, ["a"], ["a"]), (Q, ["b"], None)]
+    assert QUESTION.startswith("hotfix_lease_held")
