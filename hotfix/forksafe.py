@@ -13,8 +13,9 @@ import weakref
 
 
 def renew_in_child(owner, attr: str, factory=threading.Lock) -> None:
-    """After a fork, the child's ``owner.<attr>`` is a new ``factory()`` lock. ``owner`` (a
-    module or an object) is held weakly: an owner gone by then is skipped."""
+    """After a fork, the child's ``owner.<attr>`` is a new ``factory()`` lock (or other state
+    that only the parent's threads could have set: a count of them, what they work on).
+    ``owner`` (a module or an object) is held weakly: an owner gone by then is skipped."""
     if not hasattr(os, "register_at_fork"):
         return
     ref = weakref.ref(owner)

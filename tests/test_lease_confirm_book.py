@@ -84,7 +84,15 @@ def test_d_keeps_at_most_cap_reads_and_a_read_that_failed_on_its_own_is_forgotte
     assert len(book) == 0
 
 
-def test_the_asker_thread_answers_none_when_asking_raises():
+def answers_within(asker: Asker, n: int, timeout_s: float = 5.0) -> list:
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += asker.answers()
+        time.sleep(0.01)
+    return got
+
+
+def test_the_asker_answers_none_when_asking_raises():
     def ask(address, ids):
         if address == Q:
             raise OSError("unreachable")
@@ -93,9 +101,33 @@ def test_the_asker_thread_answers_none_when_asking_raises():
     asker = Asker(ask)
     asker.submit(P, ["a"])
     asker.submit(Q, ["b"])
-    got, deadline = [], time.monotonic() + 5
-    while len(got) < 2 and time.monotonic() < deadline:
-        got += asker.answers()
-        time.sleep(0.01)
+    got = answers_within(asker, 2)
     assert sorted(got, key=lambda a: a[0]) == [(P, ["a"], ["a"]), (Q, ["b"], None)]
     assert QUESTION.startswith("hotfix_lease_held")
+
+
+def test_a_prefill_that_does_not_answer_delays_only_its_own_reads_and_no_thread_outlives_the_asking():
+    import threading
+
+    q_answers = threading.Event()
+    asked = []
+
+    def ask(address, ids):
+        asked.append((address, list(ids)))
+        if address == Q:
+            assert q_answers.wait(5)  # Q is hung: its question waits (up to the timeout, in life)
+        return list(ids)
+
+    asker = Asker(ask)
+    asker.submit(Q, ["q1"])
+    asker.submit(P, ["p1"])
+    assert answers_within(asker, 1) == [(P, ["p1"], ["p1"])]  # P's READ is not kept behind Q's
+    asker.submit(Q, ["q2"])
+    asker.submit(Q, ["q3"])  # Q still asked: these wait and then go in one question
+    q_answers.set()
+    assert sorted(answers_within(asker, 2)) == [(Q, ["q1"], ["q1"]), (Q, ["q2", "q3"], ["q2", "q3"])]
+    deadline = time.monotonic() + 5
+    while asker._running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert asker._running == 0 and not asker._asking and not asker._pending
+    assert not [t for t in threading.enumerate() if t.name == "hotfix-lease-confirm"]

@@ -132,19 +132,37 @@ def ask_over_zmq(address: Address, get_meta_msg, req_ids: List[str], timeout_s: 
 
 
 class Asker:
-    """One daemon thread that asks prefills and hands back their answers (D's worker)."""
+    """Asks prefills from threads of its own and hands back their answers (D's worker).
 
-    def __init__(self, ask: Callable[[Address, List[str]], Optional[List[str]]]) -> None:
+    One thread per prefill with questions pending, at most ``max_threads`` at once: a prefill
+    that does not answer delays only its own READs (each question waits at most the timeout),
+    and the ids queued for a prefill meanwhile go in one question. A thread ends once nothing is
+    left to ask, so an idle decode holds none."""
+
+    def __init__(self, ask: Callable[[Address, List[str]], Optional[List[str]]], max_threads: int = 8) -> None:
         self._ask = ask
-        self._jobs: "queue.Queue[Tuple[Address, List[str]]]" = queue.Queue()
+        self.max_threads = max_threads
+        self.lock = threading.Lock()
+        self._pending: Dict[Address, List[str]] = {}  # ids to ask each prefill, not asked yet
+        self._asking: set = set()  # prefills a thread is asking now
+        self._running = 0  # threads started and not ended
+        for attr, fresh in (("lock", threading.Lock), ("_asking", set), ("_running", int)):
+            forksafe.renew_in_child(self, attr, fresh)  # a child has none of our threads
         self._answers: "queue.Queue[Tuple[Address, List[str], Optional[List[str]]]]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
 
     def submit(self, address: Address, remote_ids: List[str]) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="hotfix-lease-confirm", daemon=True)
-            self._thread.start()
-        self._jobs.put((address, remote_ids))
+        with self.lock:
+            self._pending.setdefault(address, []).extend(remote_ids)
+            unclaimed = sum(1 for a in self._pending if a not in self._asking)
+            if self._running >= self.max_threads or self._running - len(self._asking) >= unclaimed:
+                return  # a thread that is free (or will be) takes it
+            self._running += 1
+        try:
+            threading.Thread(target=self._run, name="hotfix-lease-confirm", daemon=True).start()
+        except BaseException:
+            with self.lock:
+                self._running -= 1
+            raise
 
     def answers(self) -> List[Tuple[Address, List[str], Optional[List[str]]]]:
         out = []
@@ -156,12 +174,20 @@ class Asker:
 
     def _run(self) -> None:
         while True:
-            address, remote_ids = self._jobs.get()
+            with self.lock:
+                address = next((a for a in self._pending if a not in self._asking), None)
+                if address is None:
+                    self._running -= 1
+                    return
+                remote_ids = self._pending.pop(address)
+                self._asking.add(address)
             try:
                 held = self._ask(address, remote_ids)
             except Exception:
                 held = None
             self._answers.put((address, remote_ids, held))
+            with self.lock:
+                self._asking.discard(address)
 
 
 class _Read:
