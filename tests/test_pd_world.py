@@ -29,7 +29,6 @@ import pytest
 from conftest import clean_env, install_home, marked_by_selected_tests, settled_status
 from hotfix.fixes.lease_guard import CONFIRM_KEY, DEADLINE_KEY, EXPIRY_KEY
 from hotfix.worlds.pd_world import (
-    BLOCK_SIZE,
     MAX_MODEL_LEN,
     VOCAB_SIZE,
     Engine,
@@ -40,6 +39,7 @@ from hotfix.worlds.pd_world import (
     build_model,
     decode_bug_report_config,
     decode_nixl_config,
+    kv_pool_bytes,
     prefill_config,
     POST_PAUSE_VAR,
     prefill_params,
@@ -63,8 +63,6 @@ NEXT_MAX_TOKENS = 4 * MAX_TOKENS
 # The lease tests' prefill: its kv_lease_duration (a heartbeat extends it by 2/3: 5 s) and a
 # pool of one max-length request (+ vLLM's null block); the traffic after the lapse needs it all.
 LEASE_S = 8
-LEASE_BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * BLOCK_SIZE  # layers x (K, V) x kv heads x head_dim x fp32
-LEASE_POOL_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE + 1
 LEASE_FILLER_LEN = MAX_MODEL_LEN - 12  # with its one output token: every usable block
 
 
@@ -118,7 +116,7 @@ def pd(request, tmp_path_factory):
                 "decode-half", decode_bug_report_config(READ_DELAY_STEPS, drop_hotfix_in="worker"),
                 hotfix_home=home, env={"HOTFIX_STATUS_DIR": str(half_status)}),
             "short_lease": lambda: world.start("prefill-short-lease", short_lease, hotfix_home=home, engine_args={
-                "enable_prefix_caching": False, "kv_cache_memory_bytes": LEASE_POOL_BLOCKS * LEASE_BLOCK_BYTES}),
+                "enable_prefix_caching": False, "kv_cache_memory_bytes": kv_pool_bytes(1)}),
         }
         assert wanted <= decodes.keys(), wanted - decodes.keys()
         engines = Engines(

@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32  # CPU attention wants a multiple of 32
 MAX_MODEL_LEN = 512
 VOCAB_SIZE = 256
+KV_BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * BLOCK_SIZE  # the tiny model's: layers x (K, V) x kv heads x head_dim x fp32
 CACHE_HIT_PARAM = "pd_world_cache_hit"  # kv_transfer_params key: "the decode-side cache has this prompt"
 CONNECTORS_MODULE = "pd_connectors"
 # a decode's ServerStoppingLMCacheMPConnector: the server's process group, and the file whose
@@ -83,13 +84,18 @@ RINGBUFFER_RECHECK_S = "1"
 # Model and connector configs
 # ---------------------------------------------------------------------------------------
 
-def build_model(dest: Path) -> Path:
+def build_model(dest: Path, sliding_window: int | None = None) -> Path:
     """A seeded random llama whose greedy tokens depend on the whole context.
 
     Two layers and a 0.1 init scale: with one layer and the default 0.02 the next token is
     mostly a function of the last one, and decoding over unwritten KV would go unnoticed.
+    ``sliding_window``: the first layer attends to that many tokens only (vLLM's llama reads
+    ``layer_types``), so an engine with the hybrid KV cache manager on has two KV-cache groups,
+    sliding window and full attention, as a hybrid model does.
     Built in a child interpreter so the test process never imports torch for it.
     """
+    hybrid = (f",\n    layer_types=['sliding_attention', 'full_attention'], sliding_window={sliding_window}"
+              if sliding_window else "")
     code = (
         "import sys, torch\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
@@ -97,7 +103,7 @@ def build_model(dest: Path) -> Path:
         f"config = LlamaConfig(vocab_size={VOCAB_SIZE}, hidden_size=128, head_dim=64,\n"
         "    num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,\n"
         f"    num_hidden_layers=2, max_position_embeddings={MAX_MODEL_LEN},\n"
-        "    tie_word_embeddings=False, initializer_range=0.1)\n"
+        f"    tie_word_embeddings=False, initializer_range=0.1{hybrid})\n"
         "LlamaForCausalLM(config).to(torch.float32).save_pretrained(sys.argv[1])\n"
     )
     dest.mkdir(parents=True, exist_ok=True)
@@ -108,6 +114,12 @@ def build_model(dest: Path) -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"building the model failed:\n{done.stderr[-4000:]}")
     return dest
+
+
+def kv_pool_bytes(requests: int) -> int:
+    """``kv_cache_memory_bytes`` of a pool that holds ``requests`` max-length requests and no
+    more (plus vLLM's null block): traffic that needs it all writes into every block."""
+    return (requests * (MAX_MODEL_LEN // BLOCK_SIZE) + 1) * KV_BLOCK_BYTES
 
 
 def prefill_config() -> dict:
