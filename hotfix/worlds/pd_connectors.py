@@ -14,8 +14,9 @@ step, forward or not).
   pull to NIXL ``read_delay_steps`` steps after the metadata asked for it, and not before
   ``read_delay_s`` seconds have passed (a step count orders it against this module's cache
   double; against a real second connector, whose retrieve takes real time, only seconds do);
-  at TP>1 a rank named in ``read_lag_steps_by_rank`` starts it that many steps later still
-  (a slower rank, whichever delay dominates).
+  at TP>1 a rank named in ``read_lag_steps_by_rank`` starts it only once rank 0's NIXL
+  reported the request, and that many steps later still (a slower rank that finishes last on
+  any box: the ranks meet in a file per request under ``rank_reports_dir``).
   That stands in for a GB-scale pull over TCP on a model whose KV is a few KiB: test-only,
   no vLLM file changes, and the hotfix still sees the pull at bind time (``reqs_to_recv``)
   as it would.
@@ -49,6 +50,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from pd_world import (CACHE_HIT_PARAM, LMCACHE_SERVER_PGID_VAR, LMCACHE_STOP_ARMED_VAR, POST_PAUSE_MAX_S,
                       POST_PAUSE_VAR)
@@ -67,6 +69,7 @@ __all__ = ["NixlConnector", "DelayedReadNixlConnector", "EagerRetrieveConnector"
 
 
 NIXL_PROGRESS_POLL_US = 1000
+RANK_0_REPORT_WAIT_S = 60.0  # a lagging rank's READ waits this long at most for rank 0's report
 
 
 def poll_nixl_progress_instead_of_spinning() -> None:
@@ -140,6 +143,8 @@ class DelayedReadNixlConnector(NixlPullConnector):
         self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         self._read_lag_steps = int((_extra(vllm_config).get("read_lag_steps_by_rank") or {}).get(str(self._rank), 0))
         self._read_delay_s = float(_extra(vllm_config).get("read_delay_s", 0.0))
+        reports_dir = _extra(vllm_config).get("rank_reports_dir")
+        self._rank_reports = Path(reports_dir) if reports_dir else None
         self._step = 0
         # req_id -> (step, time it is due, this rank's lag still to come, ReqMeta)
         self._held: dict[str, tuple[int, float, int, object]] = {}
@@ -174,13 +179,14 @@ class DelayedReadNixlConnector(NixlPullConnector):
             self._held[req_id] = (self._step + self._read_delay_steps, now + self._read_delay_s,
                                   self._read_lag_steps, meta)
             logger.info("pd_world: NIXL pull of %s asked at step %d, READ due at step %d and after %.1f s, "
-                        "then %d steps more", req_id, self._step, self._step + self._read_delay_steps,
+                        "then %d steps after rank 0 reported it", req_id, self._step, self._step + self._read_delay_steps,
                         self._read_delay_s, self._read_lag_steps)
         due = {}
         for req_id, (step, at, lag, meta) in list(self._held.items()):
             if step <= self._step and at <= now:
                 if lag:
-                    self._held[req_id] = (self._step + lag, at, 0, meta)
+                    if self._rank_0_reported(req_id, since=at):
+                        self._held[req_id] = (self._step + lag, at, 0, meta)
                 else:
                     due[req_id] = meta
         for req_id, meta in due.items():
@@ -207,6 +213,19 @@ class DelayedReadNixlConnector(NixlPullConnector):
         for req_id in recving or ():
             logger.info("pd_world: NIXL reports %s received at step %d (t=%.3f) on rank %d", req_id,
                         self._step, time.monotonic(), self._rank)
+            if self._rank_reports is not None and self._rank == 0:
+                (self._rank_reports / req_id).touch()
+
+    def _rank_0_reported(self, req_id: str, since: float) -> bool:
+        """Whether a lagging rank may count its lag: rank 0 reported ``req_id`` (or has not in
+        :data:`RANK_0_REPORT_WAIT_S` after the READ was due: then this rank goes on alone)."""
+        if self._rank_reports is None or (self._rank_reports / req_id).exists():
+            return True
+        if time.monotonic() - since > RANK_0_REPORT_WAIT_S:
+            logger.warning("pd_world: rank 0 did not report %s in %.0f s; rank %d READs it anyway", req_id,
+                           RANK_0_REPORT_WAIT_S, self._rank)
+            return True
+        return False
 
 
 @dataclass

@@ -139,7 +139,8 @@ def decode_nixl_config() -> dict:
 
 def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
                              drop_hotfix_in: str | None = None, heartbeat_lease_s: int | None = None,
-                             read_lag_steps_by_rank: dict | None = None, read_delay_s: float = 0.0) -> dict:
+                             read_lag_steps_by_rank: dict | None = None, read_delay_s: float = 0.0,
+                             rank_reports_dir: Path | None = None) -> dict:
     """The bug report's decode node: MultiConnector[NIXL, LMCache-MP-like loader].
 
     NIXL's READ starts ``read_delay_steps`` engine steps late (the slow GB-scale pull); the
@@ -149,15 +150,19 @@ def decode_bug_report_config(read_delay_steps: int, retrieve_steps: int = 1,
     ``kv_lease_duration`` on this decode, which sets its heartbeat interval (a sixth of it).
     ``read_delay_s``: and no READ starts before that many seconds passed (a client's next
     request then reaches the engine before the READ, whatever the box's speed).
-    ``read_lag_steps_by_rank={1: n}``: at TP>1, rank 1's READ starts ``n`` steps after that.
+    ``read_lag_steps_by_rank={1: n}``: at TP>1, rank 1's READ starts ``n`` steps after rank 0's
+    NIXL reported the request (so rank 1 reports last whatever a READ takes on the box); the
+    ranks meet in ``rank_reports_dir`` (required with it).
     """
+    if read_lag_steps_by_rank and rank_reports_dir is None:
+        raise ValueError("read_lag_steps_by_rank needs rank_reports_dir")
     dropped = {"drop_hotfix_in": drop_hotfix_in} if drop_hotfix_in else {}
     loader = {"kv_connector": "EagerRetrieveConnector", "kv_connector_module_path": CONNECTORS_MODULE,
               "kv_role": "kv_both", "kv_connector_extra_config": {"retrieve_steps": retrieve_steps,
                                                                   **dropped}}
     lease = {"kv_lease_duration": heartbeat_lease_s} if heartbeat_lease_s else {}
-    by_rank = ({"read_lag_steps_by_rank": {str(r): n for r, n in read_lag_steps_by_rank.items()}}
-               if read_lag_steps_by_rank else {})
+    by_rank = ({"read_lag_steps_by_rank": {str(r): n for r, n in read_lag_steps_by_rank.items()},
+                "rank_reports_dir": str(rank_reports_dir)} if read_lag_steps_by_rank else {})
     return _decode_multi_connector(_delayed_nixl({"read_delay_steps": read_delay_steps, **dropped, **lease,
                                                   **by_rank, "read_delay_s": read_delay_s}),
                                    loader)
