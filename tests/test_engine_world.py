@@ -263,7 +263,15 @@ def one_engine_core_and_two_ranks(run: EngineRun) -> tuple[int, dict]:
     return engine_core, workers
 
 
+# TP=2 under the multiprocessing executor: two more engines (three processes each) for the claim
+# the Ray world proves red and green at TP=2 with the same connectors, and the P/D TP=2 world with
+# the hotfix live on every rank (status) under this executor.
+TP2_IN_CI = ("tests/test_engine_world_ray.py (red and green at TP=2), "
+             "tests/test_pd_world_tp2.py (the hotfix on every rank, multiprocessing executor)")
+
+
 @uses("stock_tp2")
+@pytest.mark.beyond_ci_budget(TP2_IN_CI)
 def test_stock_tp2_computes_before_rank_1_loaded_then_dies_on_the_late_report(runs):
     """TP=2: the fast loader reports on both ranks in the load's first step, the executor's
     aggregation promotes R, R computes while the slow loader still loads on both ranks, finishes,
@@ -278,6 +286,7 @@ def test_stock_tp2_computes_before_rank_1_loaded_then_dies_on_the_late_report(ru
 
 
 @uses("hotfix_tp2")
+@pytest.mark.beyond_ci_budget(TP2_IN_CI)
 def test_hotfix_tp2_computes_only_after_both_ranks_loaded_and_is_live_on_every_rank(runs):
     """With the hotfix on PYTHONPATH only: each rank holds R until both of its loaders reported,
     the aggregation waits for rank 1, nothing computes early, every block comes back, and the

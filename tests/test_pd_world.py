@@ -281,6 +281,8 @@ def test_abort_during_a_delayed_read_frees_its_blocks_under_the_read_unless_pinn
 
 
 @uses("half")
+@pytest.mark.beyond_ci_budget("tests/test_engine_world.py::test_a_worker_without_the_hotfix_degrades_the_load_barrier_"
+                              "and_the_engine_survives and tests/test_partial_rollout_world.py (every release)")
 def test_a_decode_whose_worker_lacks_the_hotfix_stays_stock_survives_and_returns_every_block(pd):
     """Partial rollout: D's EngineCore has the hotfix, its worker does not (a Ray worker
     without our PYTHONPATH). recv-barrier, pull-pin and lease-guard are degraded (one ERROR

@@ -16,6 +16,9 @@ def repro_cli(argv: list, timeout: float = 120):
                   path=[REPO], env=clean_env(), timeout=timeout)
 
 
+@pytest.mark.beyond_ci_budget("tests/test_engine_world.py (the same run_engine, stock and hotfix) and "
+                              "tests/test_bundle.py::test_repro_from_the_bundle_runs_quietly_where_the_image_has_"
+                              "neither_the_checkout_nor_the_test_tools (the repro CLI end to end)")
 def test_repro_engine_world_stock_dies_on_the_assert_and_the_hotfix_returns_every_token():
     proc = repro_cli(["repro", "--world", "engine", "--json"], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
