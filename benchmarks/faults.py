@@ -1,8 +1,10 @@
 """The fault table (issue #28): what happens to a request in flight, stock vs hotfix, when a
 component hangs, dies or is cut off while prefill and decode are two network hosts.
 
-``hotfix.worlds.faults``: P on one host, a stock and a hotfix decode on the other, NIXL/UCX
-over TCP across a veth link shaped so a 480-token prompt's READ takes seconds. Each fault hits
+``hotfix.worlds.faults``: two prefills on one host (stock, and one with the hotfix), a stock
+and a hotfix decode on the other, each decode READing from its own kind of prefill (the
+hotfix on both engines), NIXL/UCX over TCP across a veth link shaped so a 480-token prompt's
+READ takes seconds. Each fault hits
 both decodes' requests at once, at its phase (before the READ, or mid-READ), and lasts the
 window a request must be terminal in (``--bound`` + ``--slack``). One row per fault, phase and
 variant: engine deaths, wrong tokens, requests not terminal in the window, blocks still held
@@ -10,8 +12,8 @@ once the fault cleared, seconds to the request's answer, and what the answer was
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/faults.py [--quick] [--fault NAME:PHASE] [--json]
 
-``--quick``: the CI variant's fault only (``tests/test_faults_world.py``). Needs root and
-iproute2 (network namespaces).
+``--quick``: the CI variant (``tests/test_faults_world.py``): its fault only, one stock prefill
+for both decodes. Needs root and iproute2 (network namespaces).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
         root = args.keep or Path(tmp)
         home = hotfix_home(root / "hotfix-home")
-        with FaultsWorld(root, clean_env(), home, args.bound, args.slack) as world:
+        with FaultsWorld(root, clean_env(), home, args.bound, args.slack, hotfix_prefill=not args.quick) as world:
             for fault in chosen.values():
                 rows.extend(world.run(fault))
                 print(f"faults: {fault.name} {fault.phase} done at {time.monotonic() - began:.0f} s",

@@ -223,8 +223,12 @@ def test_hotfix_with_lmcache_0_5_4_computes_only_after_nixls_read_and_returns_ev
     assert drained(decode.engine), "a block is still held at idle\n" + decode.engine.log_tail()
 
 
-@uses("0.5.6", "stock", "hotfix")
-@pytest.mark.parametrize("variant", ["stock", "hotfix"])
+@pytest.mark.parametrize("variant", [
+    pytest.param("stock", marks=[uses("0.5.6", "stock"), pytest.mark.beyond_ci_budget(
+        "the [hotfix] variant: the same session, P's tokens, and the server's log shows 0.5.6 "
+        "retrieved nothing (what LMCache does, whoever runs the decode)")]),
+    pytest.param("hotfix", marks=uses("0.5.6", "hotfix")),
+])
 def test_lmcache_0_5_6_retrieves_nothing_and_the_hotfix_changes_nothing(world, variant):
     decode = world.decodes["0.5.6", variant]
     turn = two_turn_session(world, decode.engine, seed=301)  # the same session on both

@@ -1,6 +1,8 @@
 """The faults world: the P/D world on two network hosts (``two_hosts``), a prefill on one and a
 stock and a hotfix decode side by side on the other, and one fault at a time injected while
-both decodes' READs cross the link. Each run yields one row per decode, the fault table's
+both decodes' READs cross the link. With ``hotfix_prefill`` the prefill host runs two prefills,
+a stock one for the stock decode and one with the hotfix for the hotfix decode (the hotfix on
+both engines, as a fleet rolls it out); a fault then strikes both. Each run yields one row per decode, the fault table's
 (``benchmarks/faults.py``; the CI's bounded variant is ``tests/test_faults_world.py``).
 
 A row says what the fault did to the request in flight and to the decode engine:
@@ -32,11 +34,14 @@ from hotfix.worlds.pd_world import (
     Engine,
     EngineFailure,
     PDWorld,
+    MAX_MODEL_LEN,
     Request,
     build_model,
     decode_nixl_config,
     decode_request,
+    kv_pool_bytes,
     prefill_config,
+    remove_unmapped_psm,
     transfer,
     warm_up,
 )
@@ -71,6 +76,10 @@ class Row:
 
 BEFORE_READ = "before-READ"  # after P's prefill handed its params over, before D has the request
 MID_READ = "mid-READ"  # INJECT_AFTER_S after D got the request: its READ is crossing the link
+# D READ the request and answered, and died before the router heard: the router retries the
+# request (the same kv_transfer_params) on a new decode, after P reused the blocks
+AFTER_READ = "after-READ"
+PREFILL_POOL_REQUESTS = 4  # with two prefills: P's KV pool holds this many max-length requests
 
 
 @dataclass
@@ -93,19 +102,33 @@ def _restore(world: "FaultsWorld", rate) -> None:
 
 
 def _hang_prefill(world: "FaultsWorld"):
-    world.prefill.hang()
+    for prefill in world.prefill_engines():
+        prefill.hang()
 
 
 def _resume_prefill(world: "FaultsWorld", _token) -> None:
-    world.prefill.resume()
+    for prefill in world.prefill_engines():
+        prefill.resume()
 
 
 def _kill_prefill(world: "FaultsWorld"):
-    os.killpg(world.prefill.process.pid, signal.SIGKILL)
+    for prefill in world.prefill_engines():
+        os.killpg(prefill.process.pid, signal.SIGKILL)
 
 
 def _restart_prefill(world: "FaultsWorld", _token) -> None:
     world.restart_prefill()
+
+
+def _kill_decodes_and_reuse_the_blocks(world: "FaultsWorld"):
+    """Each decode SIGKILLed after it READ its request (P got its completion notification and
+    freed the blocks); a new decode in its place; then each prefill prefills enough max-length
+    prompts to fill its pool, so the freed blocks hold other KV when the retry READs them."""
+    for decode in world.decodes.values():
+        os.killpg(decode.process.pid, signal.SIGKILL)
+    world.restart_decodes()
+    for prefill in world.prefill_engines():
+        prefill.generate([Request(world.next_prompt(MAX_MODEL_LEN - 12), 1) for _ in range(PREFILL_POOL_REQUESTS)])
 
 
 def _replace_prefill_at_its_address(world: "FaultsWorld"):
@@ -132,6 +155,8 @@ def faults(bound_s: float, slack_s: float) -> dict[tuple[str, str], Fault]:
     table["prefill_killed", MID_READ] = Fault("prefill_killed", MID_READ, _kill_prefill, _restart_prefill, clear)
     table["prefill_replaced_same_address", BEFORE_READ] = Fault(
         "prefill_replaced_same_address", BEFORE_READ, _replace_prefill_at_its_address, _nothing, 0.0)
+    table["decode_killed_retried", AFTER_READ] = Fault(
+        "decode_killed_retried", AFTER_READ, _kill_decodes_and_reuse_the_blocks, _nothing, 0.0)
     return table
 
 
@@ -141,28 +166,38 @@ def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
 
 
 class FaultsWorld:
-    """The two hosts, the prefill and the two decodes (``stock``: no hotfix; ``hotfix``: every
+    """The two hosts, the prefill(s) and the two decodes (``stock``: no hotfix; ``hotfix``: every
     fix, ``HOTFIX_LOAD_TIMEOUT_S=bound_s``), both with ``kv_load_failure_policy=recompute`` so
     a request that survives a fault answers P's tokens. Warmed up (handshakes made) before the
-    link is shaped."""
+    link is shaped. ``prefills`` maps each decode to the prefill it READs from."""
 
     def __init__(self, root: Path, base_env: dict, hotfix_home: Path, bound_s: float,
-                 slack_s: float) -> None:
+                 slack_s: float, hotfix_prefill: bool = False) -> None:
         self.root, self.bound_s, self.slack_s = root, bound_s, slack_s
         self.net = TwoHosts()
         self.world = PDWorld(root, build_model(root / "model"), base_env)
         self.status_dir = root / "status-hotfix"
         self._seed = 1000
-        self.prefill = self.decodes = None
-        self._start(hotfix_home)
+        self.prefills = self.decodes = None
+        self._relaunch = {}  # engine name -> its relaunch (wait_ready may drop the engine's own)
+        self._start(hotfix_home, hotfix_prefill)
 
-    def _start(self, home: Path) -> None:
+    def _start(self, home: Path, hotfix_prefill: bool) -> None:
         self.net.__enter__()
         try:
             recompute = {**decode_nixl_config(), "kv_load_failure_policy": "recompute"}
-            self.prefill = self.world.start("prefill", prefill_config(), host=self.net.prefill,
-                                            engine_args={"enable_prefix_caching": False})
-            self._relaunch_prefill = self.prefill.relaunch
+            if hotfix_prefill:  # a small pool: the after-READ fault's prompts reuse freed blocks
+                pool = {"enable_prefix_caching": False, "kv_cache_memory_bytes": kv_pool_bytes(PREFILL_POOL_REQUESTS)}
+                self.prefills = {
+                    "stock": self.world.start("prefill-stock", prefill_config(), host=self.net.prefill,
+                                              engine_args=pool),
+                    "hotfix": self.world.start("prefill-hotfix", prefill_config(), host=self.net.prefill,
+                                               engine_args=pool, hotfix_home=home),
+                }
+            else:
+                prefill = self.world.start("prefill", prefill_config(), host=self.net.prefill,
+                                           engine_args={"enable_prefix_caching": False})
+                self.prefills = {"stock": prefill, "hotfix": prefill}
             self.decodes = {
                 "stock": self.world.start("decode-stock", recompute, host=self.net.decode),
                 "hotfix": self.world.start(
@@ -170,25 +205,39 @@ class FaultsWorld:
                     env={"HOTFIX_LOAD_TIMEOUT_S": str(self.bound_s), "HOTFIX_STATUS_DIR": str(self.status_dir),
                          "VLLM_RINGBUFFER_WARNING_INTERVAL": RINGBUFFER_RECHECK_S}),
             }
+            self._relaunch = {engine.name: engine.relaunch for engine in self.world.engines}
             for engine in self.world.engines:
                 engine.wait_ready()
-            for decode in self.decodes.values():
-                warm_up(self.prefill, decode)
+            for name, decode in self.decodes.items():
+                warm_up(self.prefills[name], decode)
             self.net.shape(LINK_RATE)
         except BaseException:
             self.close()
             raise
 
+    def prefill_engines(self) -> list[Engine]:
+        return list({id(p): p for p in self.prefills.values()}.values())
+
     def restart_prefill(self, same_address: bool = False, handshake: bool = True) -> None:
-        """A new prefill on the same host, on fresh ports (or its NIXL side channel on the
-        old one's, ``same_address``), with its handshakes with the decodes made over the
+        """New prefills on the same host, on fresh ports (or their NIXL side channels on the
+        old ones', ``same_address``), with their handshakes with the decodes made over the
         unshaped link (or left to the next request, ``handshake=False``)."""
+        self._restart(self.prefill_engines(), same_address, handshake)
+
+    def restart_decodes(self) -> None:
+        """New decodes in place of the (killed) ones, handshaken with their prefills."""
+        self._restart(list(self.decodes.values()), False, True)
+
+    def _restart(self, engines: list[Engine], same_address: bool, handshake: bool) -> None:
         rate = self.net.rate
         self.net.shape(None)
-        self._relaunch_prefill(same_address=same_address)
-        self.prefill.wait_ready()
-        for decode in self.decodes.values() if handshake else ():
-            warm_up(self.prefill, decode)
+        for engine in engines:
+            self._relaunch[engine.name](same_address=same_address)
+        for engine in engines:
+            engine.wait_ready()
+        remove_unmapped_psm()  # a killed tree's /dev/shm/psm_* (nothing is starting now)
+        for name, decode in self.decodes.items() if handshake else ():
+            warm_up(self.prefills[name], decode)
         self.net.shape(rate)
 
     def close(self) -> None:
@@ -201,19 +250,24 @@ class FaultsWorld:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def next_prompt(self) -> list[int]:
+    def next_prompt(self, length: int = PROMPT_TOKENS) -> list[int]:
         self._seed += 1
-        return prompt(self._seed)
+        return prompt(self._seed, length)
 
     def run(self, fault: Fault) -> list[Row]:
-        """Both decodes get a request, the fault strikes mid-READ and clears; one row each."""
+        """Both decodes get a request, the fault strikes at its phase and clears; one row each."""
         prompts = {name: self.next_prompt() for name in self.decodes}
-        expected = {name: self.prefill.generate([Request(t, MAX_TOKENS)])[0].token_ids
+        expected = {name: self.prefills[name].generate([Request(t, MAX_TOKENS)])[0].token_ids
                     for name, t in prompts.items()}
-        requests = {name: decode_request(self.prefill, t, MAX_TOKENS, False) for name, t in prompts.items()}
+        requests = {name: decode_request(self.prefills[name], t, MAX_TOKENS, False) for name, t in prompts.items()}
+        if fault.phase == AFTER_READ:  # each decode READs and answers; the router never hears
+            for name, decode in self.decodes.items():
+                decode.generate([requests[name]])
         logged = {name: len(decode.log()) for name, decode in self.decodes.items()}
-        if fault.phase == BEFORE_READ:  # (the clock starts once it is in place: a restart takes long)
+        if fault.phase in (BEFORE_READ, AFTER_READ):  # (the clock starts once it is in place)
             token = fault.inject(self)
+            if fault.phase == AFTER_READ:  # the new decodes' logs
+                logged = {name: len(decode.log()) for name, decode in self.decodes.items()}
             began = time.monotonic()
         for name, decode in self.decodes.items():
             decode.submit([requests[name]])
@@ -298,10 +352,10 @@ class FaultsWorld:
     def reads_right(self, name: str) -> bool:
         """A fresh request READs its KV from the prefill across the link (no NIXL failure, no
         recompute) and answers P's tokens."""
-        decode = self.decodes[name]
+        decode, prefill = self.decodes[name], self.prefills[name]
         tokens, logged = self.next_prompt(), len(decode.log())
-        expected = self.prefill.generate([Request(tokens, MAX_TOKENS)])[0].token_ids
-        got = transfer(self.prefill, decode, tokens, MAX_TOKENS)
+        expected = prefill.generate([Request(tokens, MAX_TOKENS)])[0].token_ids
+        got = transfer(prefill, decode, tokens, MAX_TOKENS)
         log = decode.log()[logged:]
         return got == expected and not decode.nixl_failures(logged) and RECOMPUTED not in log
 
