@@ -14,6 +14,13 @@ once the fault cleared, seconds to the request's answer, and what the answer was
 
 ``--quick``: the CI variant (``tests/test_faults_world.py``): its fault only, one stock prefill
 for both decodes. Needs root and iproute2 (network namespaces).
+
+Then the lease's faults, in worlds whose prefills lease blocks for ``--lease`` seconds: the
+router delivering a request after P's lease ran out (P reused the blocks), and a partition
+restored only after the lease; and the late delivery again with the prefill host's monotonic
+clock offset by each ``--skew`` (seconds; a time namespace: another boot time), the hotfix
+decode judging the lease by its deadline on P's clock (no confirmation asked), the path an
+offset could fool. Each of those worlds starts anew (~1.5 min).
 """
 from __future__ import annotations
 
@@ -26,11 +33,12 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
 
-from hotfix.worlds.faults import BEFORE_READ, FaultsWorld, faults, table
+from hotfix.worlds.faults import BEFORE_READ, FaultsWorld, faults, lease_faults, table
 from hotfix.worlds.home import clean_env, hotfix_home
 
 COLUMNS = ("fault", "phase", "variant", "engine_deaths", "wrong_tokens", "not_terminal",
-           "leaked_blocks", "recover_s", "answer", "nixl_failures", "next_read_ok")
+           "leaked_blocks", "recover_s", "answer", "nixl_failures", "next_read_ok", "prefill_clock_offset_s",
+           "lease_confirm", "lease_guard")
 
 
 def main() -> None:
@@ -42,27 +50,42 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="run in this directory and keep the engines' logs")
     parser.add_argument("--fault", action="append", metavar="NAME:PHASE",
                         help="only this row (repeatable), e.g. partition:mid-READ")
+    parser.add_argument("--lease", type=int, default=20, help="the lease worlds' kv_lease_duration (s)")
+    parser.add_argument("--skew", default="10,-10,60,-60",
+                        help="prefill clock offsets (s, comma-separated; '' for none) of the late delivery")
     args = parser.parse_args()
 
-    chosen = faults(args.bound, args.slack)  # prefill_killed last: it restarts the prefill
+    first = faults(args.bound, args.slack)  # prefill_killed last: it restarts the prefill
+    leased = lease_faults(args.lease)
+    # (world's keyword arguments, its faults)
+    plans = [({"hotfix_prefill": not args.quick}, first)]
     if args.quick:
-        chosen = {("prefill_hung", BEFORE_READ): chosen["prefill_hung", BEFORE_READ]}
+        plans = [({}, {("prefill_hung", BEFORE_READ): first["prefill_hung", BEFORE_READ]})]
+    else:
+        plans.append(({"hotfix_prefill": True, "lease_s": args.lease}, leased))
+        for offset in (int(o) for o in args.skew.split(",") if o.strip()):
+            plans.append(({"hotfix_prefill": True, "lease_s": args.lease, "prefill_clock_offset_s": offset,
+                           "confirm": False}, {("router_late", BEFORE_READ): leased["router_late", BEFORE_READ]}))
     if args.fault:
         wanted = [tuple(f.split(":", 1)) for f in args.fault]
-        unknown = [f for f in wanted if f not in chosen]
+        known = {key for _, chosen in plans for key in chosen}
+        unknown = [f for f in wanted if f not in known]
         if unknown:
-            parser.error(f"--fault {unknown}: want one of {[':'.join(k) for k in chosen]}")
-        chosen = {key: chosen[key] for key in wanted}
+            parser.error(f"--fault {unknown}: want one of {[':'.join(k) for k in sorted(known)]}")
+        plans = [(kw, {k: f for k, f in chosen.items() if k in wanted}) for kw, chosen in plans]
+        plans = [(kw, chosen) for kw, chosen in plans if chosen]
     rows, began = [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
-        root = args.keep or Path(tmp)
-        home = hotfix_home(root / "hotfix-home")
-        with FaultsWorld(root, clean_env(), home, args.bound, args.slack, hotfix_prefill=not args.quick) as world:
-            for fault in chosen.values():
-                rows.extend(world.run(fault))
-                print(f"faults: {fault.name} {fault.phase} done at {time.monotonic() - began:.0f} s",
-                      file=sys.stderr)
-    result = {**table(rows), "bound_s": args.bound, "slack_s": args.slack,
+        for n, (kwargs, chosen) in enumerate(plans):
+            root = (args.keep or Path(tmp)) / f"world-{n}"
+            root.mkdir(parents=True, exist_ok=True)
+            home = hotfix_home(root / "hotfix-home")
+            with FaultsWorld(root, clean_env(), home, args.bound, args.slack, **kwargs) as world:
+                for fault in chosen.values():
+                    rows.extend(world.run(fault))
+                    print(f"faults: {fault.name} {fault.phase} {kwargs} done at {time.monotonic() - began:.0f} s",
+                          file=sys.stderr)
+    result = {**table(rows), "bound_s": args.bound, "slack_s": args.slack, "lease_s": args.lease,
               "wall_s": round(time.monotonic() - began)}
     if args.json:
         print(json.dumps(result))

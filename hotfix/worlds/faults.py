@@ -24,9 +24,10 @@ import os
 import random
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hotfix.status import FLUSH_INTERVAL_S
 from hotfix.worlds.pd_world import (
     RINGBUFFER_RECHECK_S,
     VOCAB_SIZE,
@@ -55,6 +56,7 @@ INJECT_AFTER_S = 1.5  # after the decodes got their requests: their READs are un
 MAX_TOKENS = 8
 RECOMPUTED = "Recovered from KV load failure"  # vLLM's scheduler, when it reschedules a failed load
 SETTLE_TIMEOUT_S = 120.0
+STATUS_FLUSH_S = 2 * FLUSH_INTERVAL_S
 
 
 @dataclass
@@ -72,6 +74,11 @@ class Row:
     answer: str
     nixl_failures: list  # NIXL's own failure reports on the decode during the run, by type
     next_read_ok: bool  # once it cleared, a fresh request READ from the prefill and answered right
+    prefill_clock_offset_s: int = 0  # the prefill host's monotonic clock minus the decode host's
+    lease_confirm: bool = True  # the hotfix decode asks P whether it still holds the blocks
+    # the hotfix decode's lease-guard counts during the run, its next READ's included (``{}``
+    # for stock): how it judged the lease (refused by the deadline, unconfirmed by P...)
+    lease_guard: dict = field(default_factory=dict)
 
 
 BEFORE_READ = "before-READ"  # after P's prefill handed its params over, before D has the request
@@ -80,6 +87,7 @@ MID_READ = "mid-READ"  # INJECT_AFTER_S after D got the request: its READ is cro
 # request (the same kv_transfer_params) on a new decode, after P reused the blocks
 AFTER_READ = "after-READ"
 PREFILL_POOL_REQUESTS = 4  # with two prefills: P's KV pool holds this many max-length requests
+LEASE_PAST_S = 3  # P frees an expired lease at its next step; it steps at least every second here
 
 
 @dataclass
@@ -127,8 +135,28 @@ def _kill_decodes_and_reuse_the_blocks(world: "FaultsWorld"):
     for decode in world.decodes.values():
         os.killpg(decode.process.pid, signal.SIGKILL)
     world.restart_decodes()
+    _fill_the_prefill_pools(world)
+
+
+def _fill_the_prefill_pools(world: "FaultsWorld") -> None:
+    """Each prefill prefills enough max-length prompts to fill its pool: every block it freed
+    now holds other KV."""
     for prefill in world.prefill_engines():
         prefill.generate([Request(world.next_prompt(MAX_MODEL_LEN - 12), 1) for _ in range(PREFILL_POOL_REQUESTS)])
+
+
+def _deliver_after_the_lease(world: "FaultsWorld"):
+    """The router holds the request (a queue, a retry) until P's lease ran out; P frees the
+    blocks at its next step and reuses them; then the decode gets the request."""
+    time.sleep(world.lease_s + LEASE_PAST_S)
+    _fill_the_prefill_pools(world)
+
+
+def _restore_after_the_prefill_reused_the_blocks(world: "FaultsWorld", rate) -> None:
+    """The partition outlived P's lease (``clear_after_s``): P freed and reused the blocks
+    while cut off; then the link comes back and a READ still in flight completes."""
+    _fill_the_prefill_pools(world)
+    world.net.restore(rate)
 
 
 def _replace_prefill_at_its_address(world: "FaultsWorld"):
@@ -160,6 +188,17 @@ def faults(bound_s: float, slack_s: float) -> dict[tuple[str, str], Fault]:
     return table
 
 
+def lease_faults(lease_s: float) -> dict[tuple[str, str], Fault]:
+    """The faults of a world whose prefills lease blocks for ``lease_s`` (``FaultsWorld(lease_s=)``,
+    with ``hotfix_prefill``: small pools that the reuse fills)."""
+    return {
+        ("router_late", BEFORE_READ): Fault("router_late", BEFORE_READ, _deliver_after_the_lease, _nothing, 0.0),
+        ("partition_past_lease", BEFORE_READ): Fault(
+            "partition_past_lease", BEFORE_READ, _cut, _restore_after_the_prefill_reused_the_blocks,
+            lease_s + LEASE_PAST_S),
+    }
+
+
 def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB_SIZE) for _ in range(length)]
@@ -169,12 +208,21 @@ class FaultsWorld:
     """The two hosts, the prefill(s) and the two decodes (``stock``: no hotfix; ``hotfix``: every
     fix, ``HOTFIX_LOAD_TIMEOUT_S=bound_s``), both with ``kv_load_failure_policy=recompute`` so
     a request that survives a fault answers P's tokens. Warmed up (handshakes made) before the
-    link is shaped. ``prefills`` maps each decode to the prefill it READs from."""
+    link is shaped. ``prefills`` maps each decode to the prefill it READs from.
+
+    ``lease_s``: the prefills' ``kv_lease_duration`` (default the P/D world's 120 s, longer than
+    any fault here). ``prefill_clock_offset_s``: the prefill host's monotonic clock that far
+    ahead of the decode host's (another boot time; negative: behind). ``confirm=False``: the
+    hotfix decode does not ask P (``HOTFIX_LEASE_CONFIRM_TIMEOUT_S=0``) and judges leases by
+    their deadline on P's clock, the path a clock offset could fool."""
 
     def __init__(self, root: Path, base_env: dict, hotfix_home: Path, bound_s: float,
-                 slack_s: float, hotfix_prefill: bool = False) -> None:
+                 slack_s: float, hotfix_prefill: bool = False, lease_s: int | None = None,
+                 prefill_clock_offset_s: int = 0, confirm: bool = True) -> None:
         self.root, self.bound_s, self.slack_s = root, bound_s, slack_s
-        self.net = TwoHosts()
+        self.lease_s, self.confirm = lease_s, confirm
+        self.prefill_clock_offset_s = prefill_clock_offset_s
+        self.net = TwoHosts(prefill_clock_offset_s)
         self.world = PDWorld(root, build_model(root / "model"), base_env)
         self.status_dir = root / "status-hotfix"
         self._seed = 1000
@@ -186,16 +234,18 @@ class FaultsWorld:
         self.net.__enter__()
         try:
             recompute = {**decode_nixl_config(), "kv_load_failure_policy": "recompute"}
+            leased = prefill_config()
+            if self.lease_s is not None:
+                leased["kv_connector_extra_config"] = {"kv_lease_duration": self.lease_s}
             if hotfix_prefill:  # a small pool: the after-READ fault's prompts reuse freed blocks
                 pool = {"enable_prefix_caching": False, "kv_cache_memory_bytes": kv_pool_bytes(PREFILL_POOL_REQUESTS)}
                 self.prefills = {
-                    "stock": self.world.start("prefill-stock", prefill_config(), host=self.net.prefill,
-                                              engine_args=pool),
-                    "hotfix": self.world.start("prefill-hotfix", prefill_config(), host=self.net.prefill,
+                    "stock": self.world.start("prefill-stock", leased, host=self.net.prefill, engine_args=pool),
+                    "hotfix": self.world.start("prefill-hotfix", leased, host=self.net.prefill,
                                                engine_args=pool, hotfix_home=home),
                 }
             else:
-                prefill = self.world.start("prefill", prefill_config(), host=self.net.prefill,
+                prefill = self.world.start("prefill", leased, host=self.net.prefill,
                                            engine_args={"enable_prefix_caching": False})
                 self.prefills = {"stock": prefill, "hotfix": prefill}
             self.decodes = {
@@ -203,7 +253,8 @@ class FaultsWorld:
                 "hotfix": self.world.start(
                     "decode-hotfix", recompute, host=self.net.decode, hotfix_home=home,
                     env={"HOTFIX_LOAD_TIMEOUT_S": str(self.bound_s), "HOTFIX_STATUS_DIR": str(self.status_dir),
-                         "VLLM_RINGBUFFER_WARNING_INTERVAL": RINGBUFFER_RECHECK_S}),
+                         "VLLM_RINGBUFFER_WARNING_INTERVAL": RINGBUFFER_RECHECK_S,
+                         **({} if self.confirm else {"HOTFIX_LEASE_CONFIRM_TIMEOUT_S": "0"})}),
             }
             self._relaunch = {engine.name: engine.relaunch for engine in self.world.engines}
             for engine in self.world.engines:
@@ -256,6 +307,8 @@ class FaultsWorld:
 
     def run(self, fault: Fault) -> list[Row]:
         """Both decodes get a request, the fault strikes at its phase and clears; one row each."""
+        time.sleep(STATUS_FLUSH_S)  # what came before (a warm-up's READ) is counted by now
+        leases_before = self.lease_counts()
         prompts = {name: self.next_prompt() for name in self.decodes}
         expected = {name: self.prefills[name].generate([Request(t, MAX_TOKENS)])[0].token_ids
                     for name, t in prompts.items()}
@@ -282,7 +335,8 @@ class FaultsWorld:
             ok = isinstance(completion, Completion) and completion.finish_reason != "error"
             wrong = int(ok and completion.token_ids != expected[name])
             rows.append(Row(fault.name, fault.phase, name, 0, wrong, int(got is None), 0,
-                            round(got[0], 1) if got else None, _answer(completion), [], False))
+                            round(got[0], 1) if got else None, _answer(completion), [], False,
+                            self.prefill_clock_offset_s, self.confirm))
         for row, (name, decode) in zip(rows, self.decodes.items()):
             row.engine_deaths = int(not decode.alive())
             row.leaked_blocks = 0 if row.engine_deaths else self._held_blocks(decode)
@@ -291,6 +345,10 @@ class FaultsWorld:
                 row.answer = "recomputed"
         for row, name in zip(rows, self.decodes):
             row.next_read_ok = not row.engine_deaths and self.reads_right(name)
+        time.sleep(STATUS_FLUSH_S)  # the counts are written up to a flush interval late
+        leases = self.lease_counts()
+        rows[list(self.decodes).index("hotfix")].lease_guard = {
+            k: n - leases_before.get(k, 0) for k, n in leases.items() if n != leases_before.get(k, 0)}
         if not all(row.next_read_ok for row in rows):
             self.restart_prefill()  # the next fault starts from fresh NIXL endpoints
         return rows
@@ -345,6 +403,14 @@ class FaultsWorld:
         """The hotfix decode's load-bound counters (timed-out loads, late reports)."""
         kinds = ("timed_out_nixl", "late_report")
         return {k: sum(r["counters"].get("load-bound", {}).get(k, 0) for r in self._records()) for k in kinds}
+
+    def lease_counts(self) -> dict:
+        """The hotfix decode's lease-guard counters (refused, declined, confirmed READs...)."""
+        counts: dict = {}
+        for record in self._records():
+            for kind, n in record["counters"].get("lease-guard", {}).items():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
 
     def _records(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in self.status_dir.glob("*.json")]

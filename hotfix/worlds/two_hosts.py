@@ -8,6 +8,11 @@ The link is shaped with a token-bucket qdisc on both ends. This machine's kernel
 and no tc classifiers; a token bucket too small for any packet is a silent drop, which is
 what a cut cable or a dead switch does to TCP (no FIN, no RST: the sender retransmits).
 Latency is not modelled. Processes join a host by ``ip netns exec`` (:meth:`Host.command`).
+Two hosts' monotonic clocks differ by their boot times (``time.perf_counter``, which vLLM's
+NIXL leases and the hotfix's are stamped with); a host made with a clock offset runs its
+processes in a time namespace of its own whose monotonic clock reads that many seconds ahead
+(or behind). Wall clocks (``time.time``) are the machine's: nothing on the lease path reads
+them when both engines are of this release.
 Every namespace is named after the pid that made it, so :func:`reap_orphan_namespaces` deletes
 those of a run that was killed (its processes are reaped by ``home.reap_orphans``).
 """
@@ -36,10 +41,13 @@ class Host:
     netns: str
     device: str
     ip: str
+    clock_offset_s: int = 0  # this host's CLOCK_MONOTONIC (and BOOTTIME) minus the machine's
 
     def command(self, argv: list[str]) -> list[str]:
-        """``argv`` run inside this host."""
-        return ["ip", "netns", "exec", self.netns, *argv]
+        """``argv`` run inside this host (in its time namespace if its clock is offset)."""
+        clock = (["unshare", "--time", f"--monotonic={self.clock_offset_s}", f"--boottime={self.clock_offset_s}",
+                  "--fork", "--kill-child", "--"] if self.clock_offset_s else [])
+        return ["ip", "netns", "exec", self.netns, *clock, *argv]
 
     def env(self) -> dict:
         """What a vLLM engine on this host binds and announces: its side channel, its internal
@@ -49,13 +57,17 @@ class Host:
 
 
 class TwoHosts:
-    """``prefill`` and ``decode``, made on enter and deleted on exit (links with them)."""
+    """``prefill`` and ``decode``, made on enter and deleted on exit (links with them); the
+    prefill host's monotonic clock ``prefill_clock_offset_s`` ahead of the decode host's."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_clock_offset_s: int = 0) -> None:
         if shutil.which("ip") is None or shutil.which("tc") is None or os.geteuid() != 0:
             raise NoNetworkNamespaces("needs root and iproute2 (ip, tc)")
+        if prefill_clock_offset_s and (shutil.which("unshare") is None or subprocess.run(
+                ["unshare", "--time", "--monotonic=1", "--fork", "true"], capture_output=True).returncode):
+            raise NoNetworkNamespaces("a clock offset needs unshare (util-linux) and time namespaces")
         owner = os.getpid()
-        self.prefill = Host(f"{PREFIX}{owner}p", f"{PREFIX}{owner}p", f"{SUBNET}.1")
+        self.prefill = Host(f"{PREFIX}{owner}p", f"{PREFIX}{owner}p", f"{SUBNET}.1", prefill_clock_offset_s)
         self.decode = Host(f"{PREFIX}{owner}d", f"{PREFIX}{owner}d", f"{SUBNET}.2")
         self.rate = None
 
