@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,23 @@ from hotfix.worlds.lmcache_server import LMCACHE_ROOT, release_dir
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 FAKE_VLLM = FIXTURES / "fakevllm"
+
+
+@contextmanager
+def faults_world(tmp_path_factory, name: str, bound_s: float, slack_s: float, **kwargs):
+    """A ``FaultsWorld`` (``hotfix.worlds.faults``) with the real fixes on its hotfix engines,
+    or a skip saying why this machine cannot make its two hosts."""
+    from hotfix.worlds.faults import FaultsWorld
+    from hotfix.worlds.two_hosts import NoNetworkNamespaces, TwoHosts
+
+    try:
+        TwoHosts(kwargs.get("prefill_clock_offset_s", 0))
+    except NoNetworkNamespaces as exc:
+        pytest.skip(f"two hosts need network (and, with a clock offset, time) namespaces: {exc}")
+    root = tmp_path_factory.mktemp(name)
+    home = install_home(root / "hotfix-home", fixes=())
+    with FaultsWorld(root, clean_env(), home, bound_s, slack_s, **kwargs) as world:
+        yield world
 
 
 def install_home(dest: Path, fixes=("demo_guard",), vllm_root: Path = FAKE_VLLM,

@@ -13,27 +13,21 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import clean_env, install_home, settled_status
-from hotfix.worlds.faults import BEFORE_READ, FaultsWorld, faults
-from hotfix.worlds.two_hosts import NoNetworkNamespaces, TwoHosts
+from conftest import faults_world, settled_status
+from hotfix.worlds.faults import BEFORE_READ, faults
 
 BOUND_S = 15.0  # HOTFIX_LOAD_TIMEOUT_S of the hotfix decode; a warm READ here takes seconds
 # The engine notices the bound at its next step, and a step can take seconds on a 2-core box:
 # vLLM's worker re-reads the EngineCore's ring buffer only every 5 s after a lost wake-up
 # (py-spy: EngineCore and worker both waiting to read; 4-12 s steps while P was stopped, 1 in
-# ~4 runs of the loopback world); recompute then prefills and decodes on a loaded box.
+# ~4 runs of the loopback world; the faults world now bounds that re-read to 1 s, pd_world's
+# WORKER_RECHECK_VAR); recompute then prefills and decodes on a loaded box.
 SLACK_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    try:
-        TwoHosts()
-    except NoNetworkNamespaces as exc:
-        pytest.skip(f"two hosts need network namespaces: {exc}")
-    root = tmp_path_factory.mktemp("faults")
-    home = install_home(root / "hotfix-home", fixes=())
-    with FaultsWorld(root, clean_env(), home, BOUND_S, SLACK_S) as world:
+    with faults_world(tmp_path_factory, "faults", BOUND_S, SLACK_S) as world:
         yield world
 
 

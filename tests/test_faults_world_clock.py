@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import clean_env, install_home
-from hotfix.worlds.faults import BEFORE_READ, FaultsWorld, lease_faults
-from hotfix.worlds.two_hosts import NoNetworkNamespaces, TwoHosts
+from conftest import faults_world
+from hotfix.worlds.faults import BEFORE_READ, lease_faults
 
 BOUND_S, SLACK_S = 15.0, 30.0  # as the CI faults test: the hotfix decode's load bound, its slack
 LEASE_S = 20  # the prefills' kv_lease_duration: the router's hold outlives it
@@ -32,14 +31,8 @@ CLAIMED_IN_CI = ("test_lease_guard_world.py::test_a_lease_is_judged_on_the_prefi
 
 @pytest.fixture(scope="module", params=[60, -60], ids=lambda s: f"prefill-clock{s:+d}s")
 def world(request, tmp_path_factory):
-    try:
-        TwoHosts(request.param)
-    except NoNetworkNamespaces as exc:
-        pytest.skip(f"two hosts with offset clocks need network and time namespaces: {exc}")
-    root = tmp_path_factory.mktemp("faults-clock")
-    home = install_home(root / "hotfix-home", fixes=())
-    with FaultsWorld(root, clean_env(), home, BOUND_S, SLACK_S, hotfix_prefill=True, lease_s=LEASE_S,
-                     prefill_clock_offset_s=request.param, confirm=False) as world:
+    with faults_world(tmp_path_factory, "faults-clock", BOUND_S, SLACK_S, hotfix_prefill=True, lease_s=LEASE_S,
+                      prefill_clock_offset_s=request.param, confirm=False) as world:
         yield world
 
 

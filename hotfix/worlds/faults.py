@@ -31,6 +31,7 @@ from hotfix.status import FLUSH_INTERVAL_S
 from hotfix.worlds.pd_world import (
     RINGBUFFER_RECHECK_S,
     VOCAB_SIZE,
+    WORKER_RECHECK_VAR,
     Completion,
     Engine,
     EngineFailure,
@@ -223,7 +224,10 @@ class FaultsWorld:
         self.lease_s, self.confirm = lease_s, confirm
         self.prefill_clock_offset_s = prefill_clock_offset_s
         self.net = TwoHosts(prefill_clock_offset_s)
-        self.world = PDWorld(root, build_model(root / "model"), base_env)
+        # every engine re-reads vLLM's ring buffer after a lost wake-up within 1 s (pd_world)
+        recheck = {"VLLM_RINGBUFFER_WARNING_INTERVAL": RINGBUFFER_RECHECK_S,
+                   WORKER_RECHECK_VAR: str(int(float(RINGBUFFER_RECHECK_S) * 1000))}
+        self.world = PDWorld(root, build_model(root / "model"), {**base_env, **recheck})
         self.status_dir = root / "status-hotfix"
         self._seed = 1000
         self.prefills = self.decodes = None
@@ -253,7 +257,6 @@ class FaultsWorld:
                 "hotfix": self.world.start(
                     "decode-hotfix", recompute, host=self.net.decode, hotfix_home=home,
                     env={"HOTFIX_LOAD_TIMEOUT_S": str(self.bound_s), "HOTFIX_STATUS_DIR": str(self.status_dir),
-                         "VLLM_RINGBUFFER_WARNING_INTERVAL": RINGBUFFER_RECHECK_S,
                          **({} if self.confirm else {"HOTFIX_LEASE_CONFIRM_TIMEOUT_S": "0"})}),
             }
             self._relaunch = {engine.name: engine.relaunch for engine in self.world.engines}

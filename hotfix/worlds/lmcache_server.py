@@ -86,6 +86,17 @@ class LMCacheServer(SessionServer):
     def __enter__(self) -> "LMCacheServer":
         self.port, self.http_port = _free_port(), _free_port()
         self._shm_before = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+        self._launch(self._command())
+        return self
+
+    def restart(self) -> None:
+        """A new server in place of this one (ended first, if a test did not kill it), on the
+        same ports and SHM name: a restarted pod behind the same address, to the engines that
+        registered with the old one."""
+        self.stop()
+        self._launch(self._command())
+
+    def _command(self) -> list[str]:
         command = [sys.executable, "-c", _LAUNCH, "server",
                    "--host", "127.0.0.1", "--port", str(self.port),
                    "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
@@ -93,8 +104,7 @@ class LMCacheServer(SessionServer):
                    "--chunk-size", "256", "--disable-metrics"]
         if self.transfer_mode == "engine_driven":
             command += ["--supported-transfer-mode", "engine_driven", "--shm-name", f"lmcache_world_{self.port}"]
-        self._launch(command)
-        return self
+        return command
 
     def healthy(self) -> bool:
         url = f"http://127.0.0.1:{self.http_port}/healthcheck"

@@ -36,8 +36,8 @@ step, forward or not).
   resolves ``LMCacheMPConnector`` to: lmcache's own when lmcache is on the engine's path),
   except that once a test armed it (the file named by ``$PD_WORLD_LMCACHE_STOP_ARMED``
   exists) the worker SIGSTOPs the LMCache server's process group right before it sends the
-  next step's RETRIEVEs: the server hangs with that retrieve in flight (vLLM #49089's
-  ordering), deterministically, where a test's own signal would race a retrieve that takes
+  next step's RETRIEVEs (or SIGKILLs it, when the file says "kill"): the server hangs (or is
+  gone) with that retrieve in flight (vLLM #49089's ordering), deterministically, where a test's own signal would race a retrieve that takes
   milliseconds. Everything else, the retrieve included, is LMCache's. Defined on first use,
   so that engines without lmcache on their path import this module too.
 """
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pd_world import (CACHE_HIT_PARAM, LMCACHE_SERVER_PGID_VAR, LMCACHE_STOP_ARMED_VAR, POST_PAUSE_MAX_S,
-                      POST_PAUSE_VAR)
+                      POST_PAUSE_VAR, WORKER_RECHECK_VAR)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -121,6 +121,29 @@ def hold_the_post_while_paused() -> None:
 
 
 poll_nixl_progress_instead_of_spinning()
+
+
+def recheck_the_ring_buffer_after_a_lost_wake_up() -> None:
+    """With ``$PD_WORLD_WORKER_RECHECK_MS``, this process re-reads vLLM's shared-memory ring
+    buffer that often while it waits on it, instead of every 5 s.
+
+    The EngineCore wakes its workers through the ring buffer plus a ZMQ notification that the
+    PUB socket may drop (vLLM PR #45224); a worker that missed one finds the step's request
+    only at its next recheck, 5 s later (``SHM_READER_RECHECK_INTERVAL_MS``, no setting). On
+    this 2-core box, with eight processes per engine pair, drops came often enough to make a
+    healthy READ's steps 5 s each. A GPU node's cores keep ZMQ's I/O threads running; there
+    the recheck rarely matters. Only the interval changes: the buffer and the notification
+    are vLLM's."""
+    recheck_ms = os.environ.get(WORKER_RECHECK_VAR)
+    if not recheck_ms:
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(recheck_ms)
+
+
+recheck_the_ring_buffer_after_a_lost_wake_up()
 
 
 def _tp_rank() -> int:
@@ -327,10 +350,14 @@ def _server_stopping_lmcache():
 
 
 def stop_server_if_armed(ops) -> None:
+    """SIGSTOP the server (hung), or SIGKILL it when the arm file's text starts with "kill"
+    (crashed: its sockets close, its pool is gone)."""
     retrieves = [op.request_id for op in ops if op.direction == "RETRIEVE"]
     armed = os.environ.get(LMCACHE_STOP_ARMED_VAR)
     if not (retrieves and armed and os.path.exists(armed)):
         return
+    kill = Path(armed).read_text().startswith("kill")
     os.unlink(armed)
-    os.killpg(int(os.environ[LMCACHE_SERVER_PGID_VAR]), signal.SIGSTOP)
-    logger.info("pd_world: LMCache server stopped before the RETRIEVE of %s", ",".join(retrieves))
+    os.killpg(int(os.environ[LMCACHE_SERVER_PGID_VAR]), signal.SIGKILL if kill else signal.SIGSTOP)
+    logger.info("pd_world: LMCache server %s before the RETRIEVE of %s", "killed" if kill else "stopped",
+                ",".join(retrieves))

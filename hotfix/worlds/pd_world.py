@@ -53,6 +53,9 @@ LMCACHE_STOP_ARMED_VAR = "PD_WORLD_LMCACHE_STOP_ARMED"
 # an engine's NIXL agent holds each READ it posts while this file exists (pd_connectors)
 POST_PAUSE_VAR = "PD_WORLD_POST_PAUSE_FILE"
 POST_PAUSE_MAX_S = 180.0
+# an engine's workers re-read the EngineCore's ring buffer after a lost wake-up every this many
+# ms instead of vLLM's fixed 5,000 (pd_connectors; see RINGBUFFER_RECHECK_S below)
+WORKER_RECHECK_VAR = "PD_WORLD_WORKER_RECHECK_MS"
 
 ENGINE_ARGS = dict(
     skip_tokenizer_init=True,
@@ -77,6 +80,9 @@ REQUEST_TIMEOUT_S = 180.0
 # broadcast block found"), which the serving benchmark counts. Longer waits remain in some
 # serving rounds (tens of seconds, the worker not answering): docs/benchmarks.md, "Overhead on
 # healthy traffic". Worlds that time an engine's answer pass it as VLLM_RINGBUFFER_WARNING_INTERVAL.
+# The worker's side has no such setting; the faults world bounds it too (WORKER_RECHECK_VAR):
+# there a lost wake-up per step made a healthy READ's steps 5 s each, and the READ passed the
+# 15 s load bound (the hotfix decode's next READ after the CI fault recomputed, 1 of 3 runs).
 RINGBUFFER_RECHECK_S = "1"
 
 
