@@ -20,7 +20,8 @@ router delivering a request after P's lease ran out (P reused the blocks), and a
 restored only after the lease; and the late delivery again with the prefill host's monotonic
 clock offset by each ``--skew`` (seconds; a time namespace: another boot time), the hotfix
 decode judging the lease by its deadline on P's clock (no confirmation asked), the path an
-offset could fool. Each of those worlds starts anew (~1.5 min).
+offset could fool (``--skew=-60,60``: the ``=`` form, or argparse reads a leading minus as an
+option). Each of those worlds starts anew (~2.5 min with its rows).
 """
 from __future__ import annotations
 

@@ -74,8 +74,9 @@ MQ_TIMEOUT_S = 10  # lmcache.mp.mq_timeout of those decodes (the world's default
 # LMCache's prepare and commit of a retrieve each wait up to MQ_TIMEOUT_S (measured: turn 2
 # answered 21 s after the stop); then steps of a loaded 2-core box
 STALL_LIMIT_S = 3 * MQ_TIMEOUT_S + 30
-KILLED_IN_CI = ("test_hotfix_when_the_lmcache_server_hangs_mid_retrieve_errors_stays_alive_and_gets_every_block_back "
-                "(the same ordering: the retrieve never answered)")
+# the killed server's tests: the hung server's twins prove the same (the retrieve is never answered)
+KILLED_IN_CI = "test_hotfix_when_the_lmcache_server_hangs_mid_retrieve_errors_stays_alive_and_gets_every_block_back"
+STOCK_KILLED_IN_CI = "test_stock_when_the_lmcache_server_hangs_or_dies_mid_retrieve_the_late_nixl_report_kills_the_decode[hangs]"
 
 
 @dataclass
@@ -109,14 +110,16 @@ def world(request, tmp_path_factory):
         servers = {version: stack.enter_context(LMCacheServer(path, root / f"lmcache-{version}.log", clean_env(),
                                                               transfer_mode="engine_driven"))
                    for version, path in releases.items()}
+        # a killed variant's own server (entered before the engines, so it outlives them)
+        own_servers = {(version, variant): stack.enter_context(LMCacheServer(
+            releases[version], root / f"lmcache-decode-{version}-{variant}.log", clean_env(),
+            transfer_mode="engine_driven")) for version, variant in sorted(wanted) if variant.endswith(KILLED)}
         pd = stack.enter_context(PDWorld(root, build_model(root / "model"), clean_env()))
         prefill = pd.start("prefill", prefill_config(), engine_args={"enable_prefix_caching": False})
         decodes = {}
         for version, variant in sorted(wanted):
             path, name = releases[version], f"decode-{version}-{variant}"
-            own = (stack.enter_context(LMCacheServer(path, root / f"lmcache-{name}.log", clean_env(),
-                                                     transfer_mode="engine_driven"))
-                   if variant.endswith(KILLED) else None)
+            own = own_servers.get((version, variant))
             server = own or servers[version]
             lmcache, env, arm = server.connector_config(), {}, None
             if variant.endswith((HANGS, KILLED)):
@@ -251,12 +254,21 @@ def test_lmcache_0_5_6_retrieves_nothing_and_the_hotfix_changes_nothing(world, v
         assert counters(decode) == {}, counters(decode)
 
 
-def turn_2_while_the_server_hangs(world: LMCacheWorld, decode: Decode, seed: int,
-                                  kill: bool = False) -> tuple[float, list[int], list[int]]:
+@dataclass
+class TurnTwo:
+    took: float  # seconds from turn 2's submission to its answer (inf: none)
+    tokens: list[int]  # empty: an error or a dead engine
+    expected: list[int]
+    until_restart: bool = False  # a killed server: no answer came before the test restarted it
+    server_log_at_restart: int = 0  # a killed server: its log's length when it was restarted
+
+
+def turn_2_while_the_server_fails(world: LMCacheWorld, decode: Decode, seed: int, kill: bool = False) -> TurnTwo:
     """Turn 1, then turn 2 with the server stopped (``kill``: killed) right before turn 2's
-    RETRIEVE; a stopped server is continued once turn 2 was answered (or ``STALL_LIMIT_S``
-    passed), a killed one stays dead. Returns seconds to the answer (inf: none), its tokens
-    (empty: an error or a dead engine) and the expectation."""
+    RETRIEVE. A stopped server is continued once turn 2 was answered (or ``STALL_LIMIT_S``
+    passed). A killed one is restarted at its address once turn 2 was answered, or at
+    ``STALL_LIMIT_S``: LMCache's client may block on a server that is gone (ZMQ holds a send
+    while it has no peer) until one is back, and then turn 2 is waited for again."""
     question = tokens(seed, QUESTION_TOKENS)
     answer = transfer(world.prefill, decode.engine, question, ANSWER_TOKENS)
     assert decode.engine.reset_prefix_cache(), "blocks still held after turn 1"
@@ -265,40 +277,50 @@ def turn_2_while_the_server_hangs(world: LMCacheWorld, decode: Decode, seed: int
     request = decode_request(world.prefill, follow_up, MAX_TOKENS, False)
     decode.arm.write_text(f"{'kill' if kill else 'stop'} the server before the next RETRIEVE")
     began = time.monotonic()
+    turn = TurnTwo(math.inf, [], expected.token_ids)
     try:
         decode.engine.submit([request])
-        took = time.monotonic() - began if decode.engine.answered(STALL_LIMIT_S) else math.inf
+        answered = decode.engine.answered(STALL_LIMIT_S)
+        turn.took = time.monotonic() - began if answered else math.inf
         done = "killed" if kill else "stopped"
         assert f"LMCache server {done} before the RETRIEVE" in decode.engine.log(), decode.engine.log_tail()
     finally:
         if not kill:
             world.servers["0.5.4"].resume()
-    if took == math.inf:
-        return took, [], expected.token_ids
+    if kill:
+        turn.server_log_at_restart = len(decode.server.log_path.read_text(errors="replace"))
+        decode.server.restart()
+        if not answered:
+            turn.until_restart = True
+            answered = decode.engine.answered(STALL_LIMIT_S)
+            turn.took = time.monotonic() - began if answered else math.inf
+    if turn.took == math.inf:
+        return turn
     try:
         (out,) = decode.engine.completions()
+        turn.tokens = out.token_ids
     except EngineFailure as died:
         assert died.kind == "EngineDeadError", died
-        return took, [], expected.token_ids
-    return took, out.token_ids, expected.token_ids
+    return turn
+
+
+def _verdict(turn: TurnTwo) -> str:
+    return "right" if turn.tokens == turn.expected else "no" if not turn.tokens else "wrong"
 
 
 @pytest.mark.parametrize("failure", [
     pytest.param(HANGS, marks=uses("0.5.4", "stock" + HANGS), id="hangs"),
-    pytest.param(KILLED, marks=[uses("0.5.4", "stock" + KILLED), pytest.mark.beyond_ci_budget(KILLED_IN_CI)],
+    pytest.param(KILLED, marks=[uses("0.5.4", "stock" + KILLED), pytest.mark.beyond_ci_budget(STOCK_KILLED_IN_CI)],
                  id="killed"),
 ])
 def test_stock_when_the_lmcache_server_hangs_or_dies_mid_retrieve_the_late_nixl_report_kills_the_decode(
         world, failure):
-    """A killed server (not hung: its socket closes) leaves LMCache's client waiting for the
-    retrieve's answer all the same (``mq_timeout``); then the same death. A killed server is
-    restarted before the next request (it does not matter to a decode that dies anyway)."""
+    """A killed server (not hung: its socket closes) leaves the decode waiting as a hung one does
+    (LMCache's ``mq_timeout``, or until the server is back); then the same death."""
     decode = world.decodes["0.5.4", "stock" + failure]
-    took, got, expected = turn_2_while_the_server_hangs(world, decode, seed=401, kill=failure == KILLED)
-    print(f"stock, LMCache server {failure[1:]} mid-retrieve: turn 2 answered after {took:.1f} s, "
-          f"{'right' if got == expected else 'no' if not got else 'wrong'} tokens")
-    if failure == KILLED:
-        decode.server.restart()
+    turn = turn_2_while_the_server_fails(world, decode, seed=401, kill=failure == KILLED)
+    print(f"stock, LMCache server {failure.rsplit('-', 1)[1]} mid-retrieve: turn 2 answered after {turn.took:.1f} s"
+          f"{' (once the server was back)' if turn.until_restart else ''}, {_verdict(turn)} tokens")
     if decode.engine.alive():
         with pytest.raises(EngineFailure) as dead:
             transfer(world.prefill, decode.engine, tokens(402, 70), MAX_TOKENS)
@@ -311,10 +333,10 @@ def test_hotfix_when_the_lmcache_server_hangs_mid_retrieve_errors_stays_alive_an
     """The stall itself is LMCache's (bounded by its mq_timeout, not by HOTFIX_LOAD_TIMEOUT_S);
     what the hotfix changes is what follows: no garbage, no death, every block back."""
     decode = world.decodes["0.5.4", "hotfix" + HANGS]
-    took, got, expected = turn_2_while_the_server_hangs(world, decode, seed=501)
-    print(f"hotfix, LMCache server stopped mid-retrieve: turn 2 answered after {took:.1f} s")
-    assert took < STALL_LIMIT_S, decode.engine.log_tail()
-    assert got in ([], expected), "decoded over blocks no transfer finished writing"
+    turn = turn_2_while_the_server_fails(world, decode, seed=501)
+    print(f"hotfix, LMCache server stopped mid-retrieve: turn 2 answered after {turn.took:.1f} s")
+    assert turn.took < STALL_LIMIT_S, decode.engine.log_tail()
+    assert turn.tokens in ([], turn.expected), "decoded over blocks no transfer finished writing"
     assert decode.engine.alive(), decode.engine.log_tail()
     assert drained(decode.engine), "a block is still held at idle\n" + decode.engine.log_tail()
     assert transfer(world.prefill, decode.engine, tokens(502, 70), MAX_TOKENS) == \
@@ -326,23 +348,25 @@ def test_hotfix_when_the_lmcache_server_hangs_mid_retrieve_errors_stays_alive_an
 @uses("0.5.4", "hotfix" + KILLED)
 @pytest.mark.beyond_ci_budget(KILLED_IN_CI)
 def test_hotfix_when_the_lmcache_server_is_killed_mid_retrieve_errors_stays_alive_and_serves_again_once_restarted(world):
-    """What the hotfix changes is what follows the failed retrieve (no garbage, no death, every
-    block back); the restarted server (same address) is LMCache's to rejoin: its client
-    re-registers the KV caches, and the next session stores and retrieves there again."""
+    """Turn 2 fails after LMCache's ``mq_timeout``, or, where LMCache's client blocked on the
+    gone server, once the server is back: the whole engine waits meanwhile, stock or hotfix, and
+    no bound of ours can act (the worker is inside LMCache's synchronous call). What the hotfix
+    changes is what follows (no garbage, no death, every block back); the restarted server is
+    LMCache's to rejoin: its client re-registers the KV caches, and the next session stores and
+    retrieves there again."""
     decode = world.decodes["0.5.4", "hotfix" + KILLED]
-    took, got, expected = turn_2_while_the_server_hangs(world, decode, seed=701, kill=True)
-    print(f"hotfix, LMCache server killed mid-retrieve: turn 2 answered after {took:.1f} s")
-    assert took < STALL_LIMIT_S, decode.engine.log_tail()
-    assert got in ([], expected), "decoded over blocks no transfer finished writing"
+    turn = turn_2_while_the_server_fails(world, decode, seed=701, kill=True)
+    print(f"hotfix, LMCache server killed mid-retrieve: turn 2 answered after {turn.took:.1f} s"
+          f"{' (once the server was back)' if turn.until_restart else ''}, {_verdict(turn)} tokens")
+    assert turn.took < math.inf, decode.engine.log_tail()
+    assert turn.tokens in ([], turn.expected), "decoded over blocks no transfer finished writing"
     assert decode.engine.alive(), decode.engine.log_tail()
     assert drained(decode.engine), "a block is still held at idle\n" + decode.engine.log_tail()
-    restarted_at = len(decode.server.log_path.read_text(errors="replace"))
-    decode.server.restart()
     assert transfer(world.prefill, decode.engine, tokens(702, 70), MAX_TOKENS) == \
         local_decode(world, tokens(702, 70), MAX_TOKENS)
-    turn = two_turn_session(world, decode.engine, seed=703)
-    assert turn.tokens == turn.expected, turn
-    since = decode.server.log_path.read_text(errors="replace")[restarted_at:]
+    session = two_turn_session(world, decode.engine, seed=703)
+    assert session.tokens == session.expected, session
+    since = decode.server.log_path.read_text(errors="replace")[turn.server_log_at_restart:]
     assert f"Stored {CHUNK} tokens" in since and f"Retrieved {CHUNK} tokens" in since, since[-2000:]
     assert decode.engine.alive() and drained(decode.engine)
     log = decode.engine.log()

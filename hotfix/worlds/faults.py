@@ -57,7 +57,6 @@ INJECT_AFTER_S = 1.5  # after the decodes got their requests: their READs are un
 MAX_TOKENS = 8
 RECOMPUTED = "Recovered from KV load failure"  # vLLM's scheduler, when it reschedules a failed load
 SETTLE_TIMEOUT_S = 120.0
-STATUS_FLUSH_S = 2 * FLUSH_INTERVAL_S
 
 
 @dataclass
@@ -76,7 +75,7 @@ class Row:
     nixl_failures: list  # NIXL's own failure reports on the decode during the run, by type
     next_read_ok: bool  # once it cleared, a fresh request READ from the prefill and answered right
     prefill_clock_offset_s: int = 0  # the prefill host's monotonic clock minus the decode host's
-    lease_confirm: bool = True  # the hotfix decode asks P whether it still holds the blocks
+    lease_confirm: bool = True  # the hotfix decode asked P whether it still held the blocks (stock: False)
     # the hotfix decode's lease-guard counts during the run, its next READ's included (``{}``
     # for stock): how it judged the lease (refused by the deadline, unconfirmed by P...)
     lease_guard: dict = field(default_factory=dict)
@@ -310,8 +309,7 @@ class FaultsWorld:
 
     def run(self, fault: Fault) -> list[Row]:
         """Both decodes get a request, the fault strikes at its phase and clears; one row each."""
-        time.sleep(STATUS_FLUSH_S)  # what came before (a warm-up's READ) is counted by now
-        leases_before = self.lease_counts()
+        leases_before = self._settled(self.lease_counts)  # a warm-up's READ counted too
         prompts = {name: self.next_prompt() for name in self.decodes}
         expected = {name: self.prefills[name].generate([Request(t, MAX_TOKENS)])[0].token_ids
                     for name, t in prompts.items()}
@@ -339,7 +337,7 @@ class FaultsWorld:
             wrong = int(ok and completion.token_ids != expected[name])
             rows.append(Row(fault.name, fault.phase, name, 0, wrong, int(got is None), 0,
                             round(got[0], 1) if got else None, _answer(completion), [], False,
-                            self.prefill_clock_offset_s, self.confirm))
+                            self.prefill_clock_offset_s, self.confirm and name == "hotfix"))
         for row, (name, decode) in zip(rows, self.decodes.items()):
             row.engine_deaths = int(not decode.alive())
             row.leaked_blocks = 0 if row.engine_deaths else self._held_blocks(decode)
@@ -348,8 +346,7 @@ class FaultsWorld:
                 row.answer = "recomputed"
         for row, name in zip(rows, self.decodes):
             row.next_read_ok = not row.engine_deaths and self.reads_right(name)
-        time.sleep(STATUS_FLUSH_S)  # the counts are written up to a flush interval late
-        leases = self.lease_counts()
+        leases = self._settled(self.lease_counts)
         rows[list(self.decodes).index("hotfix")].lease_guard = {
             k: n - leases_before.get(k, 0) for k, n in leases.items() if n != leases_before.get(k, 0)}
         if not all(row.next_read_ok for row in rows):
@@ -415,8 +412,26 @@ class FaultsWorld:
                 counts[kind] = counts.get(kind, 0) + n
         return counts
 
+    @staticmethod
+    def _settled(read, timeout_s: float = 20.0) -> dict:
+        """``read()`` once two reads a flush interval and a half apart agree (or at the deadline):
+        a count is written by a timer up to a flush interval after it changed, later on a busy box."""
+        deadline, last = time.monotonic() + timeout_s, read()
+        while True:
+            time.sleep(FLUSH_INTERVAL_S * 1.5)
+            now = read()
+            if now == last or time.monotonic() > deadline:
+                return now
+            last = now
+
     def _records(self) -> list[dict]:
-        return [json.loads(p.read_text()) for p in self.status_dir.glob("*.json")]
+        records = []
+        for path in self.status_dir.glob("*.json"):
+            try:  # a process's record may be pruned between the listing and the read
+                records.append(json.loads(path.read_text()))
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+        return records
 
     def reads_right(self, name: str) -> bool:
         """A fresh request READs its KV from the prefill across the link (no NIXL failure, no

@@ -92,8 +92,13 @@ class LMCacheServer(SessionServer):
     def restart(self) -> None:
         """A new server in place of this one (ended first, if a test did not kill it), on the
         same ports and SHM name: a restarted pod behind the same address, to the engines that
-        registered with the old one."""
-        self.stop()
+        registered with the old one. Only this server's own pool is removed: other servers of
+        the world started after it and run on."""
+        self._end()
+        own = f"lmcache_world_{self.port}"
+        for path in self.leftovers():
+            if own in path.name:
+                path.unlink(missing_ok=True)
         self._launch(self._command())
 
     def _command(self) -> list[str]:
@@ -143,6 +148,11 @@ class LMCacheServer(SessionServer):
         server ends too) and remove its /dev/shm pool."""
         if self.process is None:
             return
+        self._end()
+        for path in self.leftovers():
+            path.unlink(missing_ok=True)
+
+    def _end(self) -> None:
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -157,5 +167,3 @@ class LMCacheServer(SessionServer):
         except ProcessLookupError:
             pass
         self.process.wait()
-        for path in self.leftovers():
-            path.unlink(missing_ok=True)

@@ -139,8 +139,11 @@ def recheck_the_ring_buffer_after_a_lost_wake_up() -> None:
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
-    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
-        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(recheck_ms)
+    if not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
+        logger.warning("pd_world: this vLLM has no SHM_READER_RECHECK_INTERVAL_MS; ring buffer recheck unchanged")
+        return
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(recheck_ms)
+    logger.info("pd_world: ring buffer recheck after a lost wake-up: %s ms", recheck_ms)
 
 
 recheck_the_ring_buffer_after_a_lost_wake_up()

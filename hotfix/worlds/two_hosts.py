@@ -22,6 +22,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 from hotfix.status import pid_alive
@@ -92,6 +94,8 @@ class TwoHosts:
             _ip("-n", host.netns, "addr", "add", f"{host.ip}/30", "dev", host.device)
             _ip("-n", host.netns, "link", "set", host.device, "up")
             _ip("-n", host.netns, "link", "set", "lo", "up")
+        if p.clock_offset_s:
+            _check_clock_offset(p)
 
     def shape(self, rate: str | None) -> None:
         """Limit each direction to ``rate`` (tc's units: ``200kbit``); None: unlimited."""
@@ -135,6 +139,19 @@ def reap_orphan_namespaces() -> list[str]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             gone.append(name)
     return gone
+
+
+def _check_clock_offset(host: Host) -> None:
+    """The host's monotonic clock reads its offset ahead of this process's (read while the
+    probe ran, give or take 0.5 s), or the world would run with both hosts on one clock and say
+    otherwise."""
+    before = time.monotonic()
+    read = float(subprocess.run(host.command([sys.executable, "-c", "import time; print(time.monotonic())"]),
+                                check=True, capture_output=True, text=True).stdout)
+    after = time.monotonic()
+    if not read - after - 0.5 <= host.clock_offset_s <= read - before + 0.5:
+        raise NoNetworkNamespaces(f"the prefill host's clock reads {read - after:+.1f}..{read - before:+.1f} s "
+                                  f"ahead, not {host.clock_offset_s:+d} s")
 
 
 def _ip(*args: str) -> None:
