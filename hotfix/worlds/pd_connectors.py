@@ -129,11 +129,13 @@ def recheck_the_ring_buffer_after_a_lost_wake_up() -> None:
 
     The EngineCore wakes its workers through the ring buffer plus a ZMQ notification that the
     PUB socket may drop (vLLM PR #45224); a worker that missed one finds the step's request
-    only at its next recheck, 5 s later (``SHM_READER_RECHECK_INTERVAL_MS``, no setting). On
-    this 2-core box, with eight processes per engine pair, drops came often enough to make a
-    healthy READ's steps 5 s each. A GPU node's cores keep ZMQ's I/O threads running; there
-    the recheck rarely matters. Only the interval changes: the buffer and the notification
-    are vLLM's."""
+    only at its next recheck, 5 s later (``SHM_READER_RECHECK_INTERVAL_MS``, no setting). In
+    the faults world (eight engine processes and their NIXL and ZMQ threads on 2 cores) the
+    hotfix decode's EngineCore once waited 20 s on its worker during a healthy READ, and the
+    READ passed the load bound; py-spy had caught both sides waiting to read before (stop
+    38). The queue alone did not lose a wake-up (``benchmarks/ring_buffer_wakeups.py``), so
+    the cause is not proven; the bound on the wait is what the world needs. Only the
+    interval changes: the buffer and the notification are vLLM's."""
     recheck_ms = os.environ.get(WORKER_RECHECK_VAR)
     if not recheck_ms:
         return
