@@ -148,8 +148,11 @@ def test_a_read_is_reported_only_after_the_prefill_said_it_still_held_the_blocks
         world = read_done(world, **{CONFIRM_ATTR: (None, None)})
         assert all(not world.agent.notif_of[h] for h in world.agent.peer_of)  # posted without
         assert world.agent.notified == []  # nothing told P yet: it keeps the blocks
-        recving, invalid, steps = reported(world)
-    assert steps >= 2 and invalid == set()  # one step (or a few) later: P's answer
+        recving, invalid, _ = reported(world)
+    # reported on P's answer: the step that asks collects the answers right after, so a quick
+    # listener's yes can come in that very step (CI once saw 1 step, 0.28.0 leg); what proves
+    # the order is that nothing told P before the report, and the confirmation counted
+    assert invalid == set()
     assert set(world.agent.notified) == NOTIFIED  # then P is told, as NIXL would have
     assert delta(before) == {"read_to_confirm": 1, "read_confirmed": 1}
 
