@@ -18,10 +18,13 @@ lease); this is the two-host run, two worlds of four engines (~6 min here).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from conftest import faults_world
 from hotfix.worlds.faults import BEFORE_READ, lease_faults
+from hotfix.worlds.two_hosts import NoNetworkNamespaces, TwoHosts, _check_clock_offset
 
 BOUND_S, SLACK_S = 15.0, 30.0  # as the CI faults test: the hotfix decode's load bound, its slack
 LEASE_S = 20  # the prefills' kv_lease_duration: the router's hold outlives it
@@ -52,3 +55,26 @@ def test_a_late_delivery_is_garbage_on_stock_and_refused_by_its_deadline_on_the_
     # a timely request, right after, is READ across the link, not refused
     assert hotfix.next_read_ok and stock.next_read_ok, (stock, hotfix)
     assert "AssertionError" not in world.decodes["hotfix"].log()
+
+
+def test_a_prefill_host_whose_clock_offset_did_not_apply_is_refused():
+    """The two hosts read the prefill host's clock through its own command: an offset that took
+    effect is accepted; a host that claims one its processes do not see (no time namespace)
+    is refused, so a world cannot say +60 s and run on one clock."""
+    try:
+        hosts = TwoHosts(60)
+    except NoNetworkNamespaces as exc:
+        pytest.skip(f"two hosts with offset clocks need network and time namespaces: {exc}")
+    with hosts:
+        _check_clock_offset(hosts.prefill)  # the real one: +60 s
+        unapplied = replace(hosts.prefill, clock_offset_s=0)
+        claimed = replace(hosts.prefill, clock_offset_s=60)
+        with pytest.raises(NoNetworkNamespaces, match="not \\+60 s"):
+            _check_clock_offset(_Claiming(claimed, unapplied))
+
+
+class _Claiming:
+    """A host that says ``claimed``'s offset but runs commands as ``runs`` (no namespace)."""
+
+    def __init__(self, claimed, runs) -> None:
+        self.clock_offset_s, self.command = claimed.clock_offset_s, runs.command

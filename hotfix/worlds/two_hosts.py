@@ -30,6 +30,7 @@ from hotfix.status import pid_alive
 
 PREFIX = "hfw"  # namespace names: hfw<owner pid><role>
 SUBNET = "10.77.0"  # each pair's own: namespaces do not share addresses
+PROBE_TIMEOUT_S = 60  # a probe of the clock offset that does not answer (a python start on a busy box: seconds)
 RATE_CUT = "8bit"  # no packet ever fits the bucket: everything is dropped, silently
 _NAME = re.compile(rf"^{PREFIX}(\d+)([a-z])$")
 
@@ -66,7 +67,8 @@ class TwoHosts:
         if shutil.which("ip") is None or shutil.which("tc") is None or os.geteuid() != 0:
             raise NoNetworkNamespaces("needs root and iproute2 (ip, tc)")
         if prefill_clock_offset_s and (shutil.which("unshare") is None or subprocess.run(
-                ["unshare", "--time", "--monotonic=1", "--fork", "true"], capture_output=True).returncode):
+                ["unshare", "--time", "--monotonic=1", "--fork", "true"], capture_output=True,
+                timeout=PROBE_TIMEOUT_S).returncode):
             raise NoNetworkNamespaces("a clock offset needs unshare (util-linux) and time namespaces")
         owner = os.getpid()
         self.prefill = Host(f"{PREFIX}{owner}p", f"{PREFIX}{owner}p", f"{SUBNET}.1", prefill_clock_offset_s)
@@ -147,7 +149,7 @@ def _check_clock_offset(host: Host) -> None:
     otherwise."""
     before = time.monotonic()
     read = float(subprocess.run(host.command([sys.executable, "-c", "import time; print(time.monotonic())"]),
-                                check=True, capture_output=True, text=True).stdout)
+                                check=True, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S).stdout)
     after = time.monotonic()
     if not read - after - 0.5 <= host.clock_offset_s <= read - before + 0.5:
         raise NoNetworkNamespaces(f"the prefill host's clock reads {read - after:+.1f}..{read - before:+.1f} s "
