@@ -10,10 +10,11 @@ the writer enqueues a timestamped message every ``--gap`` seconds (longer than t
 the reader is idle in ``poll`` each time, as a worker is between an idle engine's steps), the
 reader records how late each arrived. ``--hogs N`` adds N processes that spin on the CPU (the
 worlds' oversubscribed 2 cores); ``--recheck-ms`` sets the reader's recheck as the faults world
-does. A message later than half the recheck is counted as a lost wake-up. ``--burst N``: before
+does. A message later than half the recheck is counted as a lost wake-up. ``--burst N``: after
 each gapped message the writer enqueues N more back to back, which the reader takes while it
 spins (as a worker takes an active engine's steps, never reading their notifications); only
-the gapped messages are timed.
+the gapped messages are timed (each still reaches a reader idle past its spin, so this is not
+the two queues' request-reply lockstep).
 
     .venv/bin/python benchmarks/ring_buffer_wakeups.py [--messages 200] [--gap 1.1] [--hogs 0,4] [--burst 0,50] [--json]
 """

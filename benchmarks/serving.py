@@ -29,8 +29,8 @@ request of a variant pooled), ``engine_waits_s`` and ``stock_vs_stock`` (the fir
 deployments: the noise floor). ``--json`` prints one object:
 ``{"stock": {...}, "hotfix": {...}, "overhead_ratio": float, "overhead_ci95": [lo, hi], "stalls": {...}, ...}``.
 
-The stall experiment's knobs (issue #30; both variants alike, set in every server process by the
-world's connectors module): ``--worker-recheck-ms`` (how often a worker that missed its
+The stall experiment's knobs (issue #30; both variants of the healthy pairs alike, set in every
+process of their servers by the world's connectors module): ``--worker-recheck-ms`` (how often a worker that missed its
 wake-up re-reads vLLM's ring buffer; vLLM: 5,000 ms, no setting), ``--reader-busy-loop-s``
 (how long a ring-buffer reader spins after a read; vLLM: 1 s, no setting), and
 ``--stall-dumps DIR`` (py-spy and gdb stacks of the stalled server's processes, once a wait
@@ -276,7 +276,7 @@ def median(values: list[float | None]) -> float | None:
 def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int, env: dict | None = None,
                   stall_dumps: Path | None = None) -> dict:
     """Stock and hotfix NIXL-only deployments in alternating order, each fresh, each playing
-    the same rounds. A round in which an engine logged a wait on its worker is a stall:
+    the same rounds. A round in which an engine waited on its worker STALL_WAIT_S on end is a stall:
     counted per variant, and left out of the overhead figures, which are ratios of the
     variants' means over their rounds without one (``overhead_ci95`` etc.: the 95% bootstrap
     interval over those rounds). Beside them: ratios of the per-round medians over every
@@ -380,7 +380,7 @@ def main() -> int:
                         help="JSON lines of healthy rounds: earlier runs' rounds of the same traffic and knobs "
                              "join this run's in overhead_all_runs; this run's are appended")
     parser.add_argument("--stall-dumps", type=Path, default=None,
-                        help="py-spy --native dumps of a server's processes when its EngineCore waits")
+                        help="py-spy and gdb stacks of a server's processes when its EngineCore waits 5 s on end")
     args = parser.parse_args()
     lmcache = release_dir(args.lmcache)
     if lmcache is None and not args.overhead_only:

@@ -87,10 +87,10 @@ def post(url: str, body: dict) -> dict:
 
 
 def same_words(got: str, expected: str) -> bool:
-    """``got`` is what P computes locally, or its beginning (a client's max_tokens may have
-    been lower than the local replay's)."""
+    """``got`` is not empty and is what P computes locally, or its beginning (the client's
+    max_tokens, from its dataset, is at most the local replay's 64)."""
     got_words, expected_words = got.split(), expected.split()
-    return got_words == expected_words[:len(got_words)]
+    return bool(got_words) and got_words == expected_words[:len(got_words)]
 
 
 def judged(world: ServingWorld, label: str, client: dict, mismatches: list[str], began: float) -> dict:

@@ -9,9 +9,7 @@ A READ during which the prefill's lease lapsed copies whatever P has written int
 since: stock reports it loaded (asserted). With the fix the READ leaves without NIXL's
 completion notification, and once it is done P's listener is asked whether P still holds the
 request's blocks: yes -> reported, notification sent; no -> failed load (invalid blocks), no
-notification; no answer within the bound -> failed load, notification sent, unless the READ
-ended more than the margin inside its lease (then it is reported, as P could not have freed the
-blocks before that end).
+notification; no answer within the bound -> failed load, notification sent.
 """
 from __future__ import annotations
 
@@ -171,43 +169,24 @@ def test_a_read_during_which_the_lease_lapsed_fails_through_the_failed_load_path
     assert delta(before) == {"read_to_confirm": 1, "read_unconfirmed": 1}
 
 
-def read_done_without_an_answer(decode, monkeypatch, lease):
-    """R's READ, to be confirmed, done once P's listener went away after the handshake (a
-    hung or starved EngineCore): (world, counters before the READ ended, when it ended)."""
-    monkeypatch.setenv("HOTFIX_LEASE_CONFIRM_TIMEOUT_S", "0.5")
-    world = decode()
-    HELD.hold("prefill-R")
-    world.load("R", LOCAL, REMOTE, **{CONFIRM_ATTR: lease})
-    world.wait_for_handshake("R")
-    world.start()
-    world._stop.set()
-    world._listener.join(timeout=3)
-    before = counters()
-    for handle in list(world.worker._recving_transfers["R"]):
-        world.agent.finish(handle)
-    return world, before, time.monotonic()
-
-
 def test_no_answer_within_the_bound_fails_the_load_and_lets_the_prefill_free_the_blocks(decode, monkeypatch):
+    monkeypatch.setenv("HOTFIX_LEASE_CONFIRM_TIMEOUT_S", "0.5")
     with hotfix_active(FIX):
-        world, before, began = read_done_without_an_answer(decode, monkeypatch, (None, None))
+        world = decode()
+        HELD.hold("prefill-R")
+        world.load("R", LOCAL, REMOTE, **{CONFIRM_ATTR: (None, None)})
+        world.wait_for_handshake("R")
+        world.start()
+        world._stop.set()  # P's listener goes away after the handshake (a hung EngineCore)
+        world._listener.join(timeout=3)
+        before = counters()
+        for handle in list(world.worker._recving_transfers["R"]):
+            world.agent.finish(handle)
+        began = time.monotonic()
         recving, invalid, _ = reported(world)
     assert time.monotonic() - began < 5
     assert set(world.agent.notified) == NOTIFIED  # P may still hold them: it frees them now
     assert delta(before) == {"confirm_unanswered": 1}
-
-
-def test_no_answer_for_a_read_that_ended_well_inside_its_lease_reports_it_loaded(decode, monkeypatch):
-    """A starved prefill EngineCore must not turn a healthy READ into an error: with no answer
-    within the bound, a READ that ended more than the margin before its lease's end is judged
-    by that end, as for a prefill without the confirmation (serving world, issue #30: before
-    this, such a READ failed and ``fail`` sent the client an error)."""
-    with hotfix_active(FIX):
-        world, before, _ = read_done_without_an_answer(decode, monkeypatch, (time.time() + 60.0, None))
-        recving, invalid, _ = reported(world)
-    assert "R" in recving and invalid == set()
-    assert set(world.agent.notified) == NOTIFIED  # P frees the blocks as on stock
-    assert delta(before) == {"confirm_unanswered_in_lease": 1}
 
 
 def test_a_read_that_fails_on_its_own_is_reported_once_by_vllm(decode):

@@ -10,11 +10,8 @@ notification is what frees the blocks in the healthy case). So:
   (:class:`PrefillConfirmations`); once the READ is done it asks P, on the NIXL side channel
   vLLM already has (P's handshake listener), whether P still holds the request's blocks;
   yes: the READ is reported loaded and the kept notification sent (P frees the blocks as on
-  stock, one round trip later); no: the load fails through vLLM's failed-load path. No answer
-  within the bound: the READ is judged by its lease's end as a prefill without the
-  confirmation would be, at the moment NIXL reported it done (P frees kept blocks only at
-  that end, since D kept the notification): ended more than the margin before it, reported
-  loaded (:data:`UNANSWERED_IN_LEASE`); otherwise, or with no end known, the load fails.
+  stock, one round trip later); no, or no answer within the bound: the load fails through
+  vLLM's failed-load path.
 - P's EngineCore keeps the ids whose blocks it holds for a decode (:class:`HeldLeases`: from
   ``request_finished`` until the step that frees them) and its handshake listener answers the
   question (:class:`HeldOrMetadata`), in the process that frees the blocks.
@@ -35,10 +32,6 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 from hotfix import forksafe
 
 QUESTION = "hotfix_lease_held_w1"  # pp_rank of the question; also heads the answer
-# P did not answer, but the READ ended more than the margin before its lease's end on P's
-# clock: P held the blocks all through it (it frees them at that end or on the notification
-# D kept). Truthy: the READ is reported loaded, as on P's yes.
-UNANSWERED_IN_LEASE = "unanswered_in_lease"
 Address = Tuple[str, int]  # P's side channel (host, port), as the request's params name it
 
 
@@ -198,24 +191,20 @@ class Asker:
 
 
 class _Read:
-    __slots__ = ("address", "remote_id", "notifs", "asked", "lease", "late_when_done")
+    __slots__ = ("address", "remote_id", "notifs", "asked")
 
-    def __init__(self, address: Address, remote_id: str, notifs: list, lease) -> None:
+    def __init__(self, address: Address, remote_id: str, notifs: list) -> None:
         self.address, self.remote_id, self.notifs, self.asked = address, remote_id, notifs, False
-        self.lease = lease  # what the caller judges its end by; None: no end known
-        self.late_when_done: Optional[float] = None  # seconds past that end when NIXL said done
 
 
 class PrefillConfirmations:
     """D's worker: READs whose completion notification it keeps until P confirmed.
 
     Lifecycle: :meth:`expect` when the READ is posted (its notifications kept) → :meth:`ask`
-    once NIXL reports it done (one question per prefill and poll; ``late_at(lease)`` stamps
-    how late it ended) → :meth:`answered` yields it with P's verdict: True (held), False
-    (released), None (no answer), :data:`UNANSWERED_IN_LEASE` (no answer, ended inside its
-    lease by more than ``margin_s``) — or :meth:`forget` when the READ failed on its own (vLLM
-    reports it). At most ``cap`` READs: past it a READ keeps its notification (stock,
-    unconfirmed)."""
+    once NIXL reports it done (one question per prefill and poll) → :meth:`answered` yields
+    it with P's verdict: True (held), False (released), None (no answer) — or :meth:`forget`
+    when the READ failed on its own (vLLM reports it). At most ``cap`` READs: past it a READ
+    keeps its notification (stock, unconfirmed)."""
 
     def __init__(self, asker: Asker, cap: int = 4096) -> None:
         self.asker = asker
@@ -231,40 +220,30 @@ class PrefillConfirmations:
     def has_room(self) -> bool:
         return len(self._reads) < self.cap
 
-    def expect(self, req_id: str, address: Address, remote_id: str, notifs: list, lease=None) -> None:
-        self._reads[req_id] = _Read(address, remote_id, list(notifs), lease)
+    def expect(self, req_id: str, address: Address, remote_id: str, notifs: list) -> None:
+        self._reads[req_id] = _Read(address, remote_id, list(notifs))
 
     def forget(self, req_id: str) -> list:
         """Drop R; its kept notifications (the caller decides whether to send them)."""
         read = self._reads.pop(req_id, None)
         return read.notifs if read else []
 
-    def ask(self, req_ids: Iterable[str], late_at: Optional[Callable[[object], Optional[float]]] = None) -> None:
+    def ask(self, req_ids: Iterable[str]) -> None:
         by_prefill: Dict[Address, List[str]] = {}
         for req_id in req_ids:
             read = self._reads.get(req_id)
             if read is not None and not read.asked:
                 read.asked = True
-                if late_at is not None and read.lease is not None:
-                    read.late_when_done = late_at(read.lease)
                 by_prefill.setdefault(read.address, []).append(read.remote_id)
         for address, remote_ids in by_prefill.items():
             self.asker.submit(address, remote_ids)
 
-    def answered(self, margin_s: Optional[float] = None) -> List[Tuple[str, object, list]]:
+    def answered(self) -> List[Tuple[str, Optional[bool], list]]:
         out = []
         for address, remote_ids, held in self.asker.answers():
             asked = set(remote_ids)
             for req_id, read in list(self._reads.items()):
                 if read.asked and read.address == address and read.remote_id in asked:
                     del self._reads[req_id]
-                    out.append((req_id, self._verdict(read, held, margin_s), read.notifs))
+                    out.append((req_id, None if held is None else read.remote_id in held, read.notifs))
         return out
-
-    @staticmethod
-    def _verdict(read: _Read, held: Optional[List[str]], margin_s: Optional[float]):
-        if held is not None:
-            return read.remote_id in held
-        if margin_s is not None and read.late_when_done is not None and read.late_when_done + margin_s < 0:
-            return UNANSWERED_IN_LEASE
-        return None

@@ -33,12 +33,10 @@ The fix, in three places:
   params (:data:`CONFIRM_KEY`) answers, on its NIXL handshake listener, whether it still holds
   a request's blocks (``hotfix.fixes._lease_confirm``). D then judges nothing by the deadline:
   the READ leaves marked (:data:`CONFIRM_ATTR`), the worker keeps NIXL's completion
-  notification, asks P once the READ is done, and reports the load on P's yes; on a no (the
-  lease lapsed before or during the READ) the load fails through vLLM's failed-load path. With
-  no answer within ``HOTFIX_LEASE_CONFIRM_TIMEOUT_S`` (default 5 s; 0 turns the confirmation
-  off on that node) the READ is judged by its lease's end at the moment NIXL reported it done:
-  reported if it ended more than the margin before it (P could not have freed the blocks:
-  D kept the notification), failed otherwise. A lease another decode's heartbeats renewed
+  notification, asks P once the READ is done, and reports the load only on P's yes; on a no
+  (the lease lapsed before or during the READ) or no answer within
+  ``HOTFIX_LEASE_CONFIRM_TIMEOUT_S`` (default 5 s; 0 turns the confirmation off on that node)
+  the load fails through vLLM's failed-load path. A lease another decode's heartbeats renewed
   (a router's retry after a dead decode) is then READ, not refused. Cost: one side-channel
   round trip per READ before its report (and P frees the blocks that much later).
 A lease with only a wall-clock deadline (a prefill of an earlier release) is judged by the wall
@@ -526,8 +524,13 @@ def _refused_where_posted(worker, req_id: str, meta, lease=None) -> Optional[flo
     lease = lease or getattr(meta, LEASE_ATTR, None)
     if not lease:
         return None
+    deadline, expiry = lease
     engine = meta.remote.engine_id if meta.remote else None
-    late = _seconds_late_now(worker, lease, engine)
+    offset = getattr(worker, "_engine_clock_offset", {}).get(engine)
+    now = time.time()
+    late = seconds_late(deadline, expiry, now, None if offset is None else time.perf_counter() + offset)
+    if late is None:
+        late = seconds_late(deadline, None, now, None)
     margin = config.seconds(MARGIN_VAR, DEFAULT_MARGIN_S)
     if late is None or late + margin < 0:
         return None
@@ -614,8 +617,7 @@ def _read_keeping_the_notification(worker, wrapped, args, kwargs, req_id: str, m
     try:
         if keeper.kept and req_id in worker._recving_transfers:
             _confirmations(worker).expect(req_id, (str(meta.remote.host), int(meta.remote.port)),
-                                          meta.remote.request_id, keeper.kept,
-                                          lease=(getattr(meta, CONFIRM_ATTR), meta.remote.engine_id))
+                                          meta.remote.request_id, keeper.kept)
             _count("read_to_confirm")
         elif keeper.kept:  # not posted after all: nothing was read, nothing to notify
             pass
@@ -649,15 +651,12 @@ def report_reads_once_the_prefill_confirmed(wrapped, instance, args, kwargs):
                 confirmations.forget(req_id)
             else:
                 done.discard(req_id)
-        confirmations.ask(finished, late_at=lambda lease: _seconds_late_now(instance, *lease))
-        for req_id, held, notifs in confirmations.answered(config.seconds(MARGIN_VAR, DEFAULT_MARGIN_S)):
+        confirmations.ask(finished)
+        for req_id, held, notifs in confirmations.answered():
             if held:
                 _send(instance, notifs)
                 done.add(req_id)
-                if held is True:
-                    _count("read_confirmed")
-                else:
-                    _unanswered_but_inside_the_lease(req_id)
+                _count("read_confirmed")
             else:
                 if held is None:  # P may still hold the blocks: let it free them
                     _send(instance, notifs)
@@ -667,26 +666,6 @@ def report_reads_once_the_prefill_confirmed(wrapped, instance, args, kwargs):
                 fallback="the READs kept for confirmation are reported as NIXL reported them")
         _give_back_unconfirmed(instance, done)
     return result
-
-
-def _seconds_late_now(worker, lease, engine) -> Optional[float]:
-    """How far past its lease's end a READ is now, on P's clock with the offset vLLM measured
-    in the handshake (the wall-clock deadline only without one); None: not known."""
-    deadline, expiry = lease or (None, None)
-    offset = getattr(worker, "_engine_clock_offset", {}).get(engine)
-    now = time.time()
-    late = seconds_late(deadline, expiry, now, None if offset is None else time.perf_counter() + offset)
-    return late if late is not None else seconds_late(deadline, None, now, None)
-
-
-def _unanswered_but_inside_the_lease(req_id: str) -> None:
-    """P did not answer in time (its EngineCore starved or stalled), but the READ ended more
-    than the margin before the lease's end: P held the blocks all through it. Failing it
-    would turn a slow, right answer into an error under ``fail``."""
-    _count("confirm_unanswered_in_lease")
-    log.limited((FIX, "confirm_unanswered_in_lease"), "warning", "hotfix.lease.confirm_unanswered_in_lease",
-                fix=FIX, req_id=req_id, reason=f"the prefill did not answer within {confirm_timeout_s()} s",
-                action="reported loaded: the READ ended inside its lease (P frees kept blocks only at its end)")
 
 
 def _unconfirmed(worker, req_id: str, held: Optional[bool]) -> None:

@@ -160,8 +160,14 @@ def shorten_the_ring_buffer_readers_busy_loop() -> None:
     four engine processes takes the cores the computing worker needs. The queues exist before
     this module is imported (the connector is made after the executor), so the readers already
     made are changed too. Only the spin changes: past it a reader waits in vLLM's own poll."""
-    busy_s = os.environ.get(READER_BUSY_LOOP_VAR)
-    if busy_s is None:
+    raw = os.environ.get(READER_BUSY_LOOP_VAR, "").strip()
+    if not raw:
+        return
+    try:
+        busy_s = float(raw)
+    except ValueError:
+        logger.warning("pd_world: %s=%r is not a number of seconds; ring buffer readers' busy loop unchanged",
+                       READER_BUSY_LOOP_VAR, raw)
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
@@ -171,14 +177,14 @@ def shorten_the_ring_buffer_readers_busy_loop() -> None:
         return
     readers = [obj for obj in gc.get_objects() if isinstance(obj, spin) and obj.is_reader]
     for reader in readers:
-        reader.busy_loop_s = float(busy_s)
+        reader.busy_loop_s = busy_s
     made = spin.__init__
 
     @functools.wraps(made)
     def made_with_the_worlds_busy_loop(self, *args, **kwargs):
         made(self, *args, **kwargs)
         if self.is_reader:
-            self.busy_loop_s = float(busy_s)
+            self.busy_loop_s = busy_s
 
     spin.__init__ = made_with_the_worlds_busy_loop
     logger.info("pd_world: ring buffer readers busy-loop %s s after a read (%d existing)", busy_s, len(readers))
