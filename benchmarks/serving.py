@@ -33,8 +33,12 @@ The stall experiment's knobs (issue #30; both variants of the healthy pairs alik
 process of their servers by the world's connectors module): ``--worker-recheck-ms`` (how often a worker that missed its
 wake-up re-reads vLLM's ring buffer; vLLM: 5,000 ms, no setting), ``--reader-busy-loop-s``
 (how long a ring-buffer reader spins after a read; vLLM: 1 s, no setting), and
-``--stall-dumps DIR`` (py-spy and gdb stacks of the stalled server's processes, once a wait
-reached 5 s).
+``--stall-dumps DIR`` (once a wait reached ``--stall-dumps-after`` seconds, 5 by default, while
+it is on: eight rounds of non-blocking py-spy stacks of both servers' EngineCores and workers,
+half a second apart, one line per process each, then ``top`` of the box). Every round carries ``cpu``: the box's busy, idle and
+steal shares (``/proc/stat``, sampled each second) over the round and over its longest wait;
+``stalls`` lists them for each stall (``cpu_during``): a starved engine waits on a busy box, a
+lost wake-up or a network wait on an idle one.
 ``--rounds-file F``: earlier runs' healthy rounds with the same traffic, knobs and vLLM (JSON
 lines) join this run's in ``overhead_all_runs``, and this run's are appended
 (``benchmarks/serving_rounds.jsonl`` holds 2026-12-07's 60).
@@ -137,6 +141,14 @@ def wait_runs(log: str, ongoing_at: float | None = None):
     once-a-second lines, a run while they come at most 2 s apart (the log's stamps are whole
     seconds), per process. With ``ongoing_at`` (a stamp): the wait still going on then, as
     (seconds, its first stamp), or None."""
+    runs = wait_windows(log)
+    if ongoing_at is not None:
+        return next(((n, first) for n, first, last in runs if ongoing_at - last <= 2.5), None)
+    return [n for n, _, _ in runs]
+
+
+def wait_windows(log: str) -> list[tuple[int, float, float]]:
+    """:func:`wait_runs`' waits as (seconds, first stamp, last stamp)."""
     stamps: dict[str, list[float]] = {}
     for line in log.splitlines():
         if RINGBUFFER_WAIT in line and (found := WAIT_LINE.search(line)):
@@ -148,9 +160,49 @@ def wait_runs(log: str, ongoing_at: float | None = None):
             if i == len(moments) or moments[i] - moments[i - 1] > 2:
                 runs.append((i - began, moments[began], moments[i - 1]))
                 began = i
-    if ongoing_at is not None:
-        return next(((n, first) for n, first, last in runs if ongoing_at - last <= 2.5), None)
-    return [n for n, _, _ in runs]
+    return runs
+
+
+class BoxCpu:
+    """The whole box's CPU time (``/proc/stat``), sampled once a second while a deployment
+    plays: what the two CPUs did during a wait. Busy: something ran instead (starvation);
+    idle: everyone waited on something (a lost wake-up, the network); steal: this VM's host
+    ran someone else."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="box-cpu", daemon=True)
+
+    def __enter__(self) -> "BoxCpu":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _sample(self) -> None:
+        while True:
+            with open("/proc/stat") as f:
+                jiffies = [int(x) for x in f.readline().split()[1:9]]
+            now = time.time()
+            self.samples.append((_stamp(time.strftime("%m-%d %H:%M:%S", time.localtime(now))) + now % 1, jiffies))
+            if self._stop.wait(1.0):
+                return
+
+    def during(self, first: float, last: float) -> dict | None:
+        """Shares of busy, idle and steal time from ``first`` to ``last`` (log stamps, whole
+        seconds: the window is widened by one second on each side)."""
+        inside = [j for t, j in self.samples if first - 1 <= t <= last + 1]
+        if len(inside) < 2:
+            return None
+        user, nice, system, idle, iowait, irq, softirq, steal = (b - a for a, b in zip(inside[0], inside[-1]))
+        total = user + nice + system + idle + iowait + irq + softirq + steal
+        if total <= 0:
+            return None
+        return {"busy": round((user + nice + system + irq + softirq) / total, 3),
+                "idle": round((idle + iowait) / total, 3), "steal": round(steal / total, 3)}
 
 
 class LogMarks:
@@ -161,21 +213,26 @@ class LogMarks:
         self.at = {server.name: len(server.log()) for server in (world.prefill, world.decode)}
 
     def waits(self) -> list[int]:
+        return [n for n, _, _ in self.windows()]
+
+    def windows(self) -> list[tuple[int, float, float]]:
         return [run for server in (self.world.prefill, self.world.decode)
-                for run in wait_runs(server.log()[self.at[server.name]:])]
+                for run in wait_windows(server.log()[self.at[server.name]:])]
 
 
 class StallDumps:
     """While a deployment plays, once a server's EngineCore has waited on its worker for
-    ``after_s`` on end: ``py-spy dump`` of every process of its tree but the API server, the
-    workers' twice more a second apart (computing, or waiting to read?), then gdb's native
-    backtrace of every worker thread (NIXL's and UCX's frames, which py-spy does not unwind). Once per wait, at most ``cap`` a deployment: each pauses the processes it
-    reads for seconds, which lengthens the wait it looks at (a stalled round is left out of the
-    overhead figures anyway) and must not make more of them."""
+    ``after_s`` on end, while the wait is still on: ``samples`` rounds of ``py-spy dump
+    --nonblocking`` (the processes are not paused, so the dumps do not lengthen the wait) of
+    both servers' EngineCores and workers, back to back, half a second apart, each round
+    summed up in one line per process (its main thread's innermost frames: computing, in
+    NIXL, or waiting to read?); then ``top`` of the box over a second (processes, then
+    threads: who had the CPUs). Once per wait, at most ``cap`` a deployment."""
 
     def __init__(self, world: ServingWorld, dest: Path, label: str, after_s: int = STALL_WAIT_S,
-                 cap: int = 4) -> None:
+                 cap: int = 4, samples: int = 8) -> None:
         self.world, self.dest, self.label, self.after_s, self.cap = world, dest, label, after_s, cap
+        self.samples = samples
         self.py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         self.dumps: list[str] = []
         self._stop = threading.Event()
@@ -200,49 +257,96 @@ class StallDumps:
                     self._dump(server)
                     dumped_at[server.name] = _stamp(time.strftime("%m-%d %H:%M:%S"))
 
-    def _dump(self, server) -> None:
+    @staticmethod
+    def _engines(server) -> list[tuple[str, str]]:
+        """(pid, role) of the server's EngineCore and workers (its process group)."""
         listed = subprocess.run(["ps", "-eo", "pid=,pgid=,args="], capture_output=True, text=True).stdout
         tree = [line.split(None, 2) for line in listed.splitlines() if len(line.split(None, 2)) == 3]
-        ours = [(pid, args) for pid, pgid, args in tree if pgid == str(server.process.pid)
-                and pid != str(server.process.pid)]
+        return [(pid, args.split()[0].replace("VLLM::", "")) for pid, pgid, args in tree
+                if pgid == str(server.process.pid) and ("VLLM::Worker" in args or "VLLM::EngineCore" in args)]
+
+    def _dump(self, server) -> None:
+        engines = [(f"{s.name} {role}", pid) for s in (server, *[o for o in (self.world.prefill, self.world.decode)
+                                                               if o is not server])
+                   for pid, role in self._engines(s)]
         out = self.dest / f"{self.label}-{server.name}-{len(self.dumps)}.txt"
         with open(out, "w") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} {server.name}'s EngineCore waiting on its worker\n")
-            workers = [pid for pid, args in ours if "VLLM::Worker" in args]
-            commands = [[self.py_spy, "dump", "--pid", pid] for pid, _ in ours]
-            commands += [[self.py_spy, "dump", "--pid", pid] for _ in range(2) for pid in workers]
-            commands += [["gdb", "-p", pid, "-batch", "-ex", "thread apply all bt 25"] for pid in workers]
-            for command in commands:
-                if command[0] == self.py_spy and command[-1] in workers:
-                    time.sleep(1.0)  # samples of the worker a second apart: computing, or waiting?
-                f.write(f"=== {time.strftime('%H:%M:%S')} {' '.join(command)}\n")
+            f.write(f"{time.strftime('%H:%M:%S')} {server.name}'s EngineCore waiting on its worker "
+                    f"(>= {self.after_s} s); {engines}\n")
+            full = []
+            for n in range(self.samples):
+                stamp = time.strftime("%H:%M:%S")
+                for who, pid in engines:
+                    try:
+                        text = subprocess.run([self.py_spy, "dump", "--nonblocking", "--pid", pid],
+                                              capture_output=True, text=True, timeout=30).stdout
+                    except (OSError, subprocess.SubprocessError) as exc:
+                        text = f"py-spy: {exc!r}"
+                    f.write(f"{stamp} #{n} {who:>18}: {innermost(text)}\n")
+                    full.append(f"=== {stamp} #{n} {who} (pid {pid})\n{text}")
                 f.flush()
-                try:
-                    subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=120)
-                except (OSError, subprocess.SubprocessError) as exc:
-                    f.write(f"{command[0]}: {exc!r}\n")
+                time.sleep(0.5)
+            for flags in (["-c"], ["-H"]):  # who had the box's CPUs during the wait: processes, threads
+                f.write(f"=== {time.strftime('%H:%M:%S')} top {' '.join(flags)} (1 s, busiest 30)\n")
+                f.write(busiest(["top", "-b", "-n", "2", "-d", "1", "-w", "250", *flags]))
+            f.write("".join(full))
         self.dumps.append(str(out))
 
 
+def innermost(dump: str, frames: int = 5) -> str:
+    """A py-spy dump's main thread in one line: its innermost frames' functions."""
+    lines = dump.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Thread ") and "MainThread" in line), None)
+    if start is None:
+        return "(no main thread)"
+    state = lines[start].split("(", 1)[-1].split(")", 1)[0]
+    stack = []
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        name = line.strip().split(" (", 1)[0]
+        if not name.startswith(("_GeneratorContextManager", "Module._", "context_decorator")):
+            stack.append(name)
+    return f"[{state}] " + " < ".join(stack[:frames])
+
+
+def busiest(top: list[str], lines: int = 30) -> str:
+    """The header and busiest rows of ``top``'s last sample (its first has no interval)."""
+    try:
+        out = subprocess.run(top, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"top: {exc!r}\n"
+    last = out[out.rfind("top - "):].splitlines()
+    return "\n".join(last[:7 + lines]) + "\n"
+
+
 def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy: bool, home: Path | None,
-        lmcache: Path | None, env: dict | None = None, stall_dumps: Path | None = None) -> dict:
+        lmcache: Path | None, env: dict | None = None, stall_dumps: Path | None = None,
+        stall_dumps_after_s: int = STALL_WAIT_S) -> dict:
     """Rounds of ``make_plan(seed)`` in one deployment until ``rounds`` were played and
     ``minutes`` passed; a dead D ends it (it serves nothing more). Each round's summary
     carries ``engine_waits_s``: seconds the engines logged waiting on their workers in it."""
-    reports, waits = [], []
+    reports, waits, cpu = [], [], []
     with ServingWorld(root, racy=racy, hotfix_home=home, lmcache=lmcache, label=label, env=env) as world:
-        dumps = StallDumps(world, stall_dumps, label).__enter__() if stall_dumps else None
+        dumps = StallDumps(world, stall_dumps, label, after_s=stall_dumps_after_s).__enter__() if stall_dumps else None
+        box = BoxCpu().__enter__()
         try:
             began = time.monotonic()
             while len(reports) < rounds or time.monotonic() - began < minutes * 60:
                 marks = LogMarks(world)
+                round_began = _stamp(time.strftime("%m-%d %H:%M:%S"))
                 reports.append(world.play(make_plan(len(reports))))
-                waits.append(marks.waits())
-                print(f"serving: {label} round {len(reports)}: {reports[-1].summary()} waits {waits[-1]}",
-                      file=sys.stderr)
+                windows = marks.windows()
+                waits.append([n for n, _, _ in windows])
+                longest = max(windows, default=None)
+                cpu.append({"round": box.during(round_began, _stamp(time.strftime("%m-%d %H:%M:%S"))),
+                            "longest_wait": box.during(longest[1], longest[2]) if longest else None})
+                print(f"serving: {label} round {len(reports)}: {reports[-1].summary()} waits {waits[-1]} "
+                      f"cpu {cpu[-1]}", file=sys.stderr)
                 if reports[-1].engine_deaths:
                     break
         finally:
+            box.__exit__()
             if dumps is not None:
                 dumps.__exit__()
         out = merged(reports, label)
@@ -257,6 +361,7 @@ def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy:
                 out["pinned_now"] = metrics.engine_summary(engine)["series"]["vllm:hotfix_blocks_pinned_now"]
     out["reports"] = reports
     out["round_waits_s"] = waits
+    out["round_cpu"] = cpu
     return out
 
 
@@ -274,7 +379,7 @@ def median(values: list[float | None]) -> float | None:
 
 
 def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int, env: dict | None = None,
-                  stall_dumps: Path | None = None) -> dict:
+                  stall_dumps: Path | None = None, stall_dumps_after_s: int = STALL_WAIT_S) -> dict:
     """Stock and hotfix NIXL-only deployments in alternating order, each fresh, each playing
     the same rounds. A round in which an engine waited on its worker STALL_WAIT_S on end is a stall:
     counted per variant, and left out of the overhead figures, which are ratios of the
@@ -287,10 +392,11 @@ def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int,
             label = f"healthy-{variant}-{len(runs[variant])}"
             runs[variant].append(run(root, label, make_plan, rounds=rounds, minutes=0, racy=False,
                                      home=home if variant == "hotfix" else None, lmcache=None, env=env,
-                                     stall_dumps=stall_dumps))
+                                     stall_dumps=stall_dumps, stall_dumps_after_s=stall_dumps_after_s))
     rounds_of = {variant: [{**r.summary(), "engine_waits_s": sum(w), "longest_wait_s": max(w, default=0),
-                            "deployment": n}
-                           for n, out in enumerate(outs) for r, w in zip(out["reports"], out["round_waits_s"])]
+                            "deployment": n, "cpu": c}
+                           for n, out in enumerate(outs)
+                           for r, w, c in zip(out["reports"], out["round_waits_s"], out["round_cpu"])]
                  for variant, outs in runs.items()}
     medians = {variant: {key: median([r[key] for r in summaries]) for key in ("requests_per_s", *COST_KEYS)}
                for variant, summaries in rounds_of.items()}
@@ -304,7 +410,7 @@ def healthy_pairs(root: Path, home: Path, make_plan, *, pairs: int, rounds: int,
               "median_ratios": ratios(medians["hotfix"], medians["stock"]),
               **overhead(rounds_of),
               "healthy_rounds": {variant: [{k: r[k] for k in ("deployment", "seconds", "engine_waits_s", "longest_wait_s",
-                                                              "requests_per_s", *COST_KEYS)}
+                                                              "cpu", "requests_per_s", *COST_KEYS)}
                                            for r in summaries] for variant, summaries in rounds_of.items()},
               "healthy_deployments": {variant: [{k: out.get(k) for k in ("requests", "engine_waits_s",
                                                                           "requests_per_s", *COST_KEYS)}
@@ -327,6 +433,8 @@ def overhead(rounds_of: dict[str, list[dict]]) -> dict:
     out: dict = {"stalls": {variant: {"rounds": len(summaries) - len(calm[variant]), "of": len(summaries),
                                       "longest_s": [r["longest_wait_s"] for r in summaries
                                                     if r["longest_wait_s"] >= STALL_WAIT_S],
+                                      "cpu_during": [(r.get("cpu") or {}).get("longest_wait") for r in summaries
+                                                     if r["longest_wait_s"] >= STALL_WAIT_S],
                                       "waits_s": sum(r["engine_waits_s"] for r in summaries)}
                             for variant, summaries in rounds_of.items()}}
     for name, key in OVERHEAD_KEYS.items():
@@ -380,7 +488,10 @@ def main() -> int:
                         help="JSON lines of healthy rounds: earlier runs' rounds of the same traffic and knobs "
                              "join this run's in overhead_all_runs; this run's are appended")
     parser.add_argument("--stall-dumps", type=Path, default=None,
-                        help="py-spy and gdb stacks of a server's processes when its EngineCore waits 5 s on end")
+                        help="non-blocking py-spy stacks of both servers' engines (8 rounds, 0.5 s apart) and "
+                             "top when an EngineCore has waited --stall-dumps-after seconds on end")
+    parser.add_argument("--stall-dumps-after", type=int, default=STALL_WAIT_S,
+                        help="seconds of an EngineCore's wait before its dump (default 5)")
     args = parser.parse_args()
     lmcache = release_dir(args.lmcache)
     if lmcache is None and not args.overhead_only:
@@ -404,7 +515,7 @@ def main() -> int:
         home = hotfix_home(root / "hotfix-home")
         result = healthy_pairs(root, home, plain, pairs=1 if args.quick else args.overhead_pairs,
                                rounds=1 if args.quick else args.overhead_rounds, env=env,
-                               stall_dumps=args.stall_dumps)
+                               stall_dumps=args.stall_dumps, stall_dumps_after_s=args.stall_dumps_after)
         if not args.overhead_only:
             stock_runs = [run(root, f"racy-stock-{n}", racy, rounds=1, minutes=0, racy=True, home=None,
                               lmcache=lmcache) for n in range(args.stock_runs)]

@@ -7,11 +7,13 @@ import time
 import msgspec
 
 from hotfix.fixes._lease_confirm import (
+    CANNOT_ANSWER,
     QUESTION,
     Asker,
     HeldLeases,
     HeldOrMetadata,
     PrefillConfirmations,
+    ask_over_zmq,
     held_in_answer,
     question,
 )
@@ -71,6 +73,84 @@ def test_d_keeps_each_read_until_its_prefill_answered_one_question_per_prefill_a
     assert verdicts == {"r1": (True, [("agent-p", b"p-r1:1")]), "r2": (False, [("agent-p", b"p-r2:1")]),
                         "r3": (None, [("agent-q", b"q-r3:1")])}
     assert len(book) == 0
+
+
+def test_a_silent_prefill_is_asked_again_within_the_patience_and_a_late_yes_reports_the_read():
+    """P's EngineCore stalled past one question's timeout: its late answer decides, not the
+    silence (stalled is not released); a question that would end past the patience is not
+    asked, and the silence then fails the READ."""
+    now = [0.0]
+    asker = SyncAsker({P: None, Q: None})
+    repeated = []
+    book = PrefillConfirmations(asker, patience_s=10.0, pause_s=5.0, on_asked_again=repeated.append,
+                                clock=lambda: now[0])
+    book.expect("r1", P, "p-r1", [("agent-p", b"p-r1:1")])
+    book.expect("r2", Q, "q-r2", [("agent-q", b"q-r2:1")])
+    book.ask(["r1", "r2"])
+    now[0] = 5.0  # each question timed out unanswered; P is back (it still holds r1), Q not
+    asker.holds[P] = ["p-r1"]
+    assert book.answered() == [] and repeated == [2] and len(book) == 2
+    assert asker.asked == [(P, ["p-r1"]), (Q, ["q-r2"])] * 2
+    now[0] = 10.0  # a third question to Q would end at 15 s, past the patience
+    verdicts = {req: held for req, held, _ in book.answered()}
+    assert verdicts == {"r1": True, "r2": None}
+    assert len(book) == 0 and book.answered() == [] and repeated == [2]
+
+
+def test_a_question_that_fails_at_once_is_asked_again_only_after_the_pause():
+    now = [0.0]
+    asker = SyncAsker({P: None})
+    book = PrefillConfirmations(asker, patience_s=10.0, pause_s=5.0, clock=lambda: now[0])
+    book.expect("r1", P, "p-r1", [])
+    book.ask(["r1"])
+    now[0] = 0.1
+    assert book.answered() == [] and len(asker.asked) == 1  # no question per poll
+    now[0] = 5.0
+    assert book.answered() == [] and len(asker.asked) == 2
+
+
+def test_a_prefill_that_cannot_answer_fails_the_read_at_once_and_so_does_one_without_patience():
+    gone = PrefillConfirmations(SyncAsker({P: CANNOT_ANSWER}), patience_s=120.0, pause_s=5.0)
+    gone.expect("r1", P, "p-r1", [])
+    gone.ask(["r1"])
+    assert gone.answered() == [("r1", None, [])]  # P's process is gone: nothing to wait for
+    once = PrefillConfirmations(SyncAsker({P: None}), patience_s=0.0, pause_s=5.0)
+    once.expect("r1", P, "p-r1", [])
+    once.ask(["r1"])
+    assert once.answered() == [("r1", None, [])]
+
+
+def test_a_read_that_cannot_be_asked_again_fails_instead_of_waiting_unasked():
+    now = [0.0]
+
+    class NoThreads(SyncAsker):
+        def submit(self, address, remote_ids):
+            if self.asked:
+                raise RuntimeError("can't start new thread")
+            super().submit(address, remote_ids)
+
+    book = PrefillConfirmations(NoThreads({P: None}), patience_s=10.0, pause_s=1.0, clock=lambda: now[0])
+    book.expect("r1", P, "p-r1", [("agent-p", b"1")])
+    book.ask(["r1"])
+    now[0] = 1.0
+    assert book.answered() == [("r1", None, [("agent-p", b"1")])] and len(book) == 0
+
+
+def test_an_unreachable_listener_cannot_answer_and_a_closed_port_is_told_from_a_silent_one():
+    import socket
+
+    silent = socket.socket()  # accepts connections, never answers: a starved listener
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: P's process is gone
+    try:
+        assert ask_over_zmq(silent.getsockname(), b"get_meta_msg", ["r1"], 0.3) is None
+        assert ask_over_zmq(("127.0.0.1", closed_port), b"get_meta_msg", ["r1"], 0.3) == CANNOT_ANSWER
+    finally:
+        silent.close()
 
 
 def test_d_keeps_at_most_cap_reads_and_a_read_that_failed_on_its_own_is_forgotten():

@@ -9,7 +9,8 @@ A READ during which the prefill's lease lapsed copies whatever P has written int
 since: stock reports it loaded (asserted). With the fix the READ leaves without NIXL's
 completion notification, and once it is done P's listener is asked whether P still holds the
 request's blocks: yes -> reported, notification sent; no -> failed load (invalid blocks), no
-notification; no answer within the bound -> failed load, notification sent.
+notification; silent -> asked again while a question ends within the load bound, then failed
+load, notification sent; nothing listening -> failed load at once.
 """
 from __future__ import annotations
 
@@ -169,24 +170,93 @@ def test_a_read_during_which_the_lease_lapsed_fails_through_the_failed_load_path
     assert delta(before) == {"read_to_confirm": 1, "read_unconfirmed": 1}
 
 
+def stall_the_listener(monkeypatch, seconds: float) -> list:
+    """P's listener thread stands still ``seconds`` on the first question it gets (its
+    EngineCore starved or stalled), then answers as before; returns when it stalled."""
+    answer, stalled = HELD.held, []
+
+    def held_after_a_stall(req_ids):
+        if not stalled:
+            stalled.append(time.monotonic())
+            time.sleep(seconds)
+        return answer(req_ids)
+
+    monkeypatch.setattr(HELD, "held", held_after_a_stall)
+    return stalled
+
+
 def test_no_answer_within_the_bound_fails_the_load_and_lets_the_prefill_free_the_blocks(decode, monkeypatch):
     monkeypatch.setenv("HOTFIX_LEASE_CONFIRM_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("HOTFIX_LOAD_TIMEOUT_S", "1.5")  # asked again while a question ends by then
+    with hotfix_active(FIX):
+        world = decode()
+        HELD.hold("prefill-R")
+        stalled = stall_the_listener(monkeypatch, 2.5)  # silent past the bound
+        before = counters()
+        world = read_done(world, **{CONFIRM_ATTR: (None, None)})
+        began = time.monotonic()
+        reported(world)
+    assert stalled and 1.0 <= time.monotonic() - began < 5
+    assert set(world.agent.notified) == NOTIFIED  # P may still hold them: it frees them now
+    counted = delta(before)
+    assert counted.pop("confirm_asked_again", 0) >= 1
+    assert counted == {"read_to_confirm": 1, "confirm_unanswered": 1}
+
+
+def test_a_prefill_whose_listener_is_gone_fails_the_load_at_once(decode, monkeypatch):
+    """Nothing listens at P's side channel any more (its process died after the READ): there
+    is nothing to wait for, whatever the load bound."""
+    monkeypatch.setenv("HOTFIX_LEASE_CONFIRM_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("HOTFIX_LOAD_TIMEOUT_S", "30")
     with hotfix_active(FIX):
         world = decode()
         HELD.hold("prefill-R")
         world.load("R", LOCAL, REMOTE, **{CONFIRM_ATTR: (None, None)})
         world.wait_for_handshake("R")
         world.start()
-        world._stop.set()  # P's listener goes away after the handshake (a hung EngineCore)
+        world._stop.set()  # P's listener closes its socket after the handshake
         world._listener.join(timeout=3)
         before = counters()
         for handle in list(world.worker._recving_transfers["R"]):
             world.agent.finish(handle)
         began = time.monotonic()
-        recving, invalid, _ = reported(world)
+        reported(world)
     assert time.monotonic() - began < 5
-    assert set(world.agent.notified) == NOTIFIED  # P may still hold them: it frees them now
+    assert set(world.agent.notified) == NOTIFIED
     assert delta(before) == {"confirm_unanswered": 1}
+
+
+@pytest.mark.parametrize("load_timeout", ["0", "10"])
+def test_a_stalled_prefills_late_yes_reports_the_read_when_the_worker_waits_for_it(decode, monkeypatch, load_timeout):
+    """P's EngineCore stalls past one question's timeout, then answers that it held the blocks:
+    the READ was right. Asking once (the load bound off: one question) failed it, so a healthy
+    but slow prefill turned into an error under ``kv_load_failure_policy=fail`` (seen in the
+    serving world, issue #30): the red. Asked again until the load bound, it is reported loaded."""
+    monkeypatch.setenv("HOTFIX_LEASE_CONFIRM_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("HOTFIX_LOAD_TIMEOUT_S", load_timeout)
+    with hotfix_active(FIX):
+        world = decode()
+        HELD.hold("prefill-R")
+        stalled = stall_the_listener(monkeypatch, 1.2)
+        before = counters()
+        world = read_done(world, **{CONFIRM_ATTR: (None, None)})
+        reported(world)
+    assert stalled and set(world.agent.notified) == NOTIFIED
+    counted = delta(before)
+    if load_timeout == "0":
+        assert counted == {"read_to_confirm": 1, "confirm_unanswered": 1}  # failed load
+    else:
+        assert counted.get("read_confirmed") == 1, counted  # the late yes reported it
+        assert counted.pop("confirm_asked_again") >= 1  # each 0.5 s of the 1.2 s stall
+        assert counted == {"read_to_confirm": 1, "read_confirmed": 1}
+
+
+def test_the_worker_asks_as_long_as_the_load_may_take_and_once_without_a_load_bound(monkeypatch):
+    for load_timeout, toggle, patience in (("30", "", 30.0), ("off", "", 0.0), ("0", "", 0.0),
+                                           ("nonsense", "", 120.0), ("30", "off", 0.0)):
+        monkeypatch.setenv("HOTFIX_LOAD_TIMEOUT_S", load_timeout)
+        monkeypatch.setenv("HOTFIX_LOAD_BOUND", toggle)
+        assert lease_guard.confirm_patience_s() == patience, (load_timeout, toggle)
 
 
 def test_a_read_that_fails_on_its_own_is_reported_once_by_vllm(decode):

@@ -10,8 +10,11 @@ notification is what frees the blocks in the healthy case). So:
   (:class:`PrefillConfirmations`); once the READ is done it asks P, on the NIXL side channel
   vLLM already has (P's handshake listener), whether P still holds the request's blocks;
   yes: the READ is reported loaded and the kept notification sent (P frees the blocks as on
-  stock, one round trip later); no, or no answer within the bound: the load fails through
-  vLLM's failed-load path.
+  stock, one round trip later); no: the load fails through vLLM's failed-load path. A question
+  left unanswered while P's address accepts connections (P's EngineCore stalled, its listener
+  starved) is asked again within the READ's patience (the load bound): a slow prefill is
+  waited for, never guessed about; past the patience, or when nothing listens there, the
+  load fails too.
 - P's EngineCore keeps the ids whose blocks it holds for a decode (:class:`HeldLeases`: from
   ``request_finished`` until the step that frees them) and its handshake listener answers the
   question (:class:`HeldOrMetadata`), in the process that frees the blocks.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -110,8 +114,14 @@ def held_in_answer(reply: bytes) -> Optional[List[str]]:
     return [str(r) for r in held] if head == QUESTION and isinstance(held, list) else None
 
 
-def ask_over_zmq(address: Address, get_meta_msg, req_ids: List[str], timeout_s: float) -> Optional[List[str]]:
-    """One question to P's listener; None on no answer within ``timeout_s``."""
+CANNOT_ANSWER = "cannot_answer"  # an answer: nothing listens at P's address, or not our listener
+
+
+def ask_over_zmq(address: Address, get_meta_msg, req_ids: List[str], timeout_s: float):
+    """One question to P's listener: the ids P says it holds; None on no answer within
+    ``timeout_s`` while something still accepts connections there (P stalled, or the
+    network: worth asking again); :data:`CANNOT_ANSWER` when nothing listens there (P's
+    process is gone) or the reply is not an answer (a listener without the hotfix)."""
     import zmq
 
     context = zmq.Context.instance()
@@ -125,10 +135,25 @@ def ask_over_zmq(address: Address, get_meta_msg, req_ids: List[str], timeout_s: 
         sock.send(question(get_meta_msg, req_ids))
         parts = sock.recv_multipart()
     except zmq.ZMQError:
-        return None
+        return None if _accepts_connections(address, timeout_s) else CANNOT_ANSWER
     finally:
         sock.close(0)
-    return held_in_answer(parts[0]) if parts else None
+    held = held_in_answer(parts[0]) if parts else None
+    return CANNOT_ANSWER if held is None else held
+
+
+def _accepts_connections(address: Address, timeout_s: float) -> bool:
+    """False only when P's host refuses the connection (no listener: the process is gone); a
+    stopped or starved process's listening socket still accepts, and a timeout is the network."""
+    import socket
+
+    try:
+        socket.create_connection(address, timeout=min(max(timeout_s, 0.1), 1.0)).close()
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 class Asker:
@@ -191,10 +216,13 @@ class Asker:
 
 
 class _Read:
-    __slots__ = ("address", "remote_id", "notifs", "asked")
+    __slots__ = ("address", "remote_id", "notifs", "first_asked", "last_asked", "in_flight")
 
     def __init__(self, address: Address, remote_id: str, notifs: list) -> None:
-        self.address, self.remote_id, self.notifs, self.asked = address, remote_id, notifs, False
+        self.address, self.remote_id, self.notifs = address, remote_id, notifs
+        self.first_asked: Optional[float] = None  # when P was first asked (None: not yet)
+        self.last_asked = 0.0
+        self.in_flight = False  # a question about it is out
 
 
 class PrefillConfirmations:
@@ -203,12 +231,21 @@ class PrefillConfirmations:
     Lifecycle: :meth:`expect` when the READ is posted (its notifications kept) → :meth:`ask`
     once NIXL reports it done (one question per prefill and poll) → :meth:`answered` yields
     it with P's verdict: True (held), False (released), None (no answer) — or :meth:`forget`
-    when the READ failed on its own (vLLM reports it). At most ``cap`` READs: past it a READ
-    keeps its notification (stock, unconfirmed)."""
+    when the READ failed on its own (vLLM reports it). A question left unanswered while P's
+    address still accepts connections is asked again, at most once per ``pause_s``, as long
+    as the next one would end within ``patience_s`` of the first (``on_asked_again`` counts
+    the questions); past that, or when nothing listens there, the verdict is None. At most
+    ``cap`` READs: past it a READ keeps its notification (stock, unconfirmed)."""
 
-    def __init__(self, asker: Asker, cap: int = 4096) -> None:
+    def __init__(self, asker: Asker, cap: int = 4096, patience_s: float = 0.0, pause_s: float = 0.0,
+                 on_asked_again: Callable[[int], None] = lambda n: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.asker = asker
         self.cap = cap
+        self.patience_s = patience_s
+        self.pause_s = pause_s
+        self._on_asked_again = on_asked_again
+        self._clock = clock
         self._reads: Dict[str, _Read] = {}
 
     def __len__(self) -> int:
@@ -229,21 +266,49 @@ class PrefillConfirmations:
         return read.notifs if read else []
 
     def ask(self, req_ids: Iterable[str]) -> None:
-        by_prefill: Dict[Address, List[str]] = {}
-        for req_id in req_ids:
-            read = self._reads.get(req_id)
-            if read is not None and not read.asked:
-                read.asked = True
-                by_prefill.setdefault(read.address, []).append(read.remote_id)
-        for address, remote_ids in by_prefill.items():
-            self.asker.submit(address, remote_ids)
+        now = self._clock()
+        first = [self._reads[r] for r in req_ids if r in self._reads and self._reads[r].first_asked is None]
+        for read in first:
+            read.first_asked = now
+        self._submit(first, now)
 
     def answered(self) -> List[Tuple[str, Optional[bool], list]]:
-        out = []
+        now, out = self._clock(), []
         for address, remote_ids, held in self.asker.answers():
             asked = set(remote_ids)
             for req_id, read in list(self._reads.items()):
-                if read.asked and read.address == address and read.remote_id in asked:
+                if not read.in_flight or read.address != address or read.remote_id not in asked:
+                    continue
+                read.in_flight = False
+                if held is None and self._may_ask_again(read, now):
+                    continue  # P is there but silent: asked again below, once due
+                del self._reads[req_id]
+                out.append((req_id, read.remote_id in held if isinstance(held, list) else None, read.notifs))
+        due = [r for r in self._reads.values()
+               if r.first_asked is not None and not r.in_flight and now >= r.last_asked + self.pause_s]
+        try:
+            questions = self._submit(due, now)
+        except Exception:  # no thread to ask with: those READs fail, never wait unasked
+            questions = 0
+            for req_id, read in list(self._reads.items()):
+                if read in due and not read.in_flight:
                     del self._reads[req_id]
-                    out.append((req_id, None if held is None else read.remote_id in held, read.notifs))
+                    out.append((req_id, None, read.notifs))
+        if questions:
+            self._on_asked_again(questions)
         return out
+
+    def _may_ask_again(self, read: _Read, now: float) -> bool:
+        next_ends = max(now, read.last_asked + self.pause_s) + self.pause_s
+        return next_ends - read.first_asked <= self.patience_s
+
+    def _submit(self, reads: List[_Read], now: float) -> int:
+        by_prefill: Dict[Address, List[str]] = {}
+        for read in reads:
+            by_prefill.setdefault(read.address, []).append(read.remote_id)
+        for address, remote_ids in by_prefill.items():
+            self.asker.submit(address, remote_ids)
+            for read in reads:
+                if read.address == address:
+                    read.in_flight, read.last_asked = True, now
+        return len(by_prefill)

@@ -34,9 +34,12 @@ The fix, in three places:
   a request's blocks (``hotfix.fixes._lease_confirm``). D then judges nothing by the deadline:
   the READ leaves marked (:data:`CONFIRM_ATTR`), the worker keeps NIXL's completion
   notification, asks P once the READ is done, and reports the load only on P's yes; on a no
-  (the lease lapsed before or during the READ) or no answer within
-  ``HOTFIX_LEASE_CONFIRM_TIMEOUT_S`` (default 5 s; 0 turns the confirmation off on that node)
-  the load fails through vLLM's failed-load path. A lease another decode's heartbeats renewed
+  (the lease lapsed before or during the READ) the load fails through vLLM's failed-load
+  path. A question P leaves unanswered for ``HOTFIX_LEASE_CONFIRM_TIMEOUT_S`` (default 5 s; 0
+  turns the confirmation off on that node) while its side channel accepts connections is
+  asked again as long as the next one ends within ``HOTFIX_LOAD_TIMEOUT_S`` (whose bound fails
+  the request first): a stalled prefill's late yes is a right READ; past that, or when
+  nothing listens there, the load fails too. A lease another decode's heartbeats renewed
   (a router's retry after a dead decode) is then READ, not refused. Cost: one side-channel
   round trip per READ before its report (and P frees the blocks that much later).
 A lease with only a wall-clock deadline (a prefill of an earlier release) is judged by the wall
@@ -65,7 +68,7 @@ from collections import OrderedDict
 from typing import Dict, Optional, Tuple
 
 from hotfix import config, halves, log, status
-from hotfix.fixes import _lease_confirm
+from hotfix.fixes import _lease_confirm, load_bound
 from hotfix.fixes._lease_confirm import HELD, Asker, HeldOrMetadata, PrefillConfirmations
 from hotfix.fixes._nixl_answer import answer_with
 from hotfix.halves import SchedulerHalf, WorkerHalf
@@ -135,12 +138,17 @@ SPEC = FixSpec(
                "VLLM_NIXL_ABORT_REQUEST_TIMEOUT; stock vLLM would read reused blocks"),
         Metric("vllm:hotfix_lease_reads_unconfirmed", "NIXL READs the prefill did not confirm "
                "(it had released the blocks before or during the READ: released; or no answer "
-               "in HOTFIX_LEASE_CONFIRM_TIMEOUT_S: unanswered), failed before their report "
+               "in HOTFIX_LOAD_TIMEOUT_S of asking, or nothing listening: unanswered), failed before their report "
                "(kv_load_failure_policy decides)", ("read_unconfirmed", "confirm_unanswered"),
                by_kind=True, label="reason", label_values=("released", "unanswered"),
                alert="rate > 0: a lease lapsed during a READ (the decode stalled past the "
                "heartbeat extension) or the prefill's side channel does not answer; stock vLLM "
                "would decode whatever the READ copied"),
+        Metric("vllm:hotfix_lease_confirmations_asked_again", "Questions to a prefill's side "
+               "channel asked again after HOTFIX_LEASE_CONFIRM_TIMEOUT_S without an answer (its "
+               "READ waits; a late yes is a right READ)", ("confirm_asked_again",),
+               alert="rate > 0: a prefill's EngineCore stalls for seconds (its answers, and its "
+               "tokens, come late)"),
         Metric("vllm:hotfix_lease_deadline_missing", "Remote prefills that arrived without the "
                "prefill's lease deadline (read as stock)", ("deadline_missing",),
                alert="rate > 0 with lease-guard on: a prefill runs without the hotfix, or the "
@@ -554,8 +562,20 @@ def _fail_before_reading(worker, req_id: str) -> None:
 
 
 def _confirmations(worker) -> PrefillConfirmations:
-    return state_of(worker, "_hotfix_lease_confirms", lambda: PrefillConfirmations(Asker(
-        _asking_with(_get_meta_msg(), confirm_timeout_s()))))
+    return state_of(worker, "_hotfix_lease_confirms", lambda: PrefillConfirmations(
+        Asker(_asking_with(_get_meta_msg(), confirm_timeout_s())), patience_s=confirm_patience_s(),
+        pause_s=confirm_timeout_s(), on_asked_again=lambda n: status.count(FIX, "confirm_asked_again", n)))
+
+
+def confirm_patience_s() -> float:
+    """How long D's worker keeps asking a prefill that is there but silent: a stalled
+    EngineCore answers late and its READ is then right, so the worker asks as long as the
+    load may take (``HOTFIX_LOAD_TIMEOUT_S``: load-bound fails the request first); with
+    load-bound off or unbounded, 0: one question. (The worker cannot see whether load-bound
+    applied in its EngineCore; the wait is bounded either way.)"""
+    if config.fix_mode(load_bound.SPEC.toggle) == "off":
+        return 0.0
+    return load_bound.timeout_s() or 0.0
 
 
 def _asking_with(get_meta_msg, timeout_s: float):
@@ -673,7 +693,8 @@ def _unconfirmed(worker, req_id: str, held: Optional[bool]) -> None:
     _count(kind)
     log.limited((FIX, kind), "warning", "hotfix.lease.read_unconfirmed", fix=FIX, req_id=req_id,
                 reason="the prefill had released the blocks before or during the READ" if held is False
-                else f"the prefill did not answer within {confirm_timeout_s()} s",
+                else "the prefill did not answer (nothing listens at its side channel, or it "
+                f"was silent for {max(confirm_patience_s(), confirm_timeout_s())} s of asking)",
                 action="the load fails: kv_load_failure_policy decides")
     _fail_before_reading(worker, req_id)
 
